@@ -1,0 +1,197 @@
+"""Turn a list of `SequenceChunk`s into the tensors of one forward pass.
+
+A forward pass runs over a flat batch of T new tokens from B sequences (prefill chunks, decode
+tokens and token trees mixed). Attention runs over a padded view: B sequences × Q query rows
+(Q = the longest chunk) × C key slots (C = the longest context). This module builds, once per
+forward, everything the layers need to go between the flat and the padded view: which cache slot
+each new token is written to, which slots each sequence reads, and the boolean attention mask
+(committed prefix + causal or tree visibility among new tokens + sliding window).
+
+It decides nothing about which sequences run; the scheduler does that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from polylane.runtime.model_config import GLOBAL, SLIDING, ModelConfig
+from polylane.types import SequenceChunk
+
+
+@dataclass
+class AttentionLayout:
+    """How one kind of layer (global or sliding) attends in this forward.
+
+    query_index: (B, Q) rows of the flat batch forming the padded queries; None when B == 1.
+    out_index: (T,) rows of the padded (B * Q) output that are real tokens; None when B == 1.
+    kv_slots: (B, C) cache slots each sequence reads; None when the chunk attends only to itself
+        (a fresh prefill) and the new K/V are used directly.
+    mask: (B, 1, Q, C) bool, True where a query may see a key; None when everything is visible
+        or `is_causal` says it all.
+    """
+
+    query_index: torch.Tensor | None
+    out_index: torch.Tensor | None
+    kv_slots: torch.Tensor | None
+    mask: torch.Tensor | None
+    is_causal: bool
+
+
+@dataclass
+class ForwardBatch:
+    token_ids: torch.Tensor  # (T,)
+    positions: torch.Tensor  # (T,)
+    slot_mapping: torch.Tensor  # (T,) cache slot each new token's K/V is written to
+    logit_rows: torch.Tensor  # (R,) rows of the flat batch whose logits are returned
+    layouts: dict[str, AttentionLayout]  # by layer type
+    num_rows_per_chunk: list[int]  # how many logit rows each chunk contributes, in order
+
+
+def _tree_depths(parents: Sequence[int]) -> list[int]:
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def _visibility(chunk: SequenceChunk, size: int) -> torch.Tensor:
+    """(size, size) bool: new token q may see new token k (causal, or ancestor-or-self)."""
+    n = chunk.num_new
+    visible = torch.zeros(size, size, dtype=torch.bool)
+    if chunk.tree_parents is None:
+        visible[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+        return visible
+    for node, parent in enumerate(chunk.tree_parents):
+        visible[node, node] = True
+        if parent >= 0:
+            visible[node, :n] |= visible[parent, :n]
+    return visible
+
+
+def build_forward_batch(
+    chunks: Sequence[SequenceChunk],
+    block_size: int,
+    config: ModelConfig,
+    device: torch.device | str = "cpu",
+) -> ForwardBatch:
+    if not chunks:
+        raise ValueError("a forward pass needs at least one chunk")
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    logit_rows: list[int] = []
+    num_rows_per_chunk: list[int] = []
+    for chunk in chunks:
+        start = len(token_ids)
+        if chunk.context_len > len(chunk.block_table) * block_size:
+            raise ValueError(
+                f"chunk needs {chunk.context_len} slots but its block table holds "
+                f"{len(chunk.block_table)} blocks of {block_size}"
+            )
+        token_ids.extend(chunk.token_ids)
+        if chunk.tree_parents is None:
+            positions.extend(range(chunk.num_cached, chunk.context_len))
+        else:
+            positions.extend(chunk.num_cached + d - 1 for d in _tree_depths(chunk.tree_parents))
+        for index in range(chunk.num_cached, chunk.context_len):
+            block, offset = divmod(index, block_size)
+            slot_mapping.append(chunk.block_table[block] * block_size + offset)
+        rows = {"none": [], "last": [len(token_ids) - 1], "all": range(start, len(token_ids))}
+        logit_rows.extend(rows[chunk.logits])
+        num_rows_per_chunk.append(len(rows[chunk.logits]))
+
+    as_long = {"dtype": torch.long, "device": device}
+    layer_types = (GLOBAL, SLIDING) if config.has_sliding_layers else (GLOBAL,)
+    layouts = {
+        kind: _layout(chunks, block_size, positions, kind == SLIDING, config, device)
+        for kind in layer_types
+    }
+    return ForwardBatch(
+        token_ids=torch.tensor(token_ids, **as_long),
+        positions=torch.tensor(positions, **as_long),
+        slot_mapping=torch.tensor(slot_mapping, **as_long),
+        logit_rows=torch.tensor(logit_rows, **as_long),
+        layouts=layouts,
+        num_rows_per_chunk=num_rows_per_chunk,
+    )
+
+
+def _layout(
+    chunks: Sequence[SequenceChunk],
+    block_size: int,
+    flat_positions: list[int],
+    sliding: bool,
+    config: ModelConfig,
+    device: torch.device | str,
+) -> AttentionLayout:
+    window = config.sliding_window if sliding else None
+    batch = len(chunks)
+    longest_chunk = max(c.num_new for c in chunks)
+    longest_context = max(c.context_len for c in chunks)
+    is_tree = any(c.tree_parents is not None for c in chunks)
+    fits_window = window is None or longest_context <= window
+
+    if batch == 1 and not is_tree and fits_window:
+        chunk = chunks[0]
+        if chunk.num_cached == 0:  # a fresh prefill sees only itself: plain causal attention
+            return AttentionLayout(None, None, None, None, is_causal=chunk.num_new > 1)
+        if chunk.num_new == 1:  # one decode token sees everything
+            return AttentionLayout(None, None, _kv_slots(chunks, block_size, device), None, False)
+
+    # General case: padded view with an explicit mask.
+    num_cached = torch.tensor([c.num_cached for c in chunks])
+    context_len = torch.tensor([c.context_len for c in chunks])
+    key_index = torch.arange(longest_context)
+    committed = key_index[None, :] < num_cached[:, None]  # (B, C)
+    new_index = key_index[None, :] - num_cached[:, None]  # (B, C) index into the chunk
+    in_chunk = (new_index >= 0) & (key_index[None, :] < context_len[:, None])
+    new_index = new_index.clamp(0, longest_chunk - 1)
+    visibility = torch.stack([_visibility(c, longest_chunk) for c in chunks])  # (B, Q, Q)
+    sees_new = visibility.gather(2, new_index[:, None, :].expand(batch, longest_chunk, -1))
+    mask = committed[:, None, :] | (in_chunk[:, None, :] & sees_new)  # (B, Q, C)
+
+    query_positions = torch.zeros(batch, longest_chunk, dtype=torch.long)
+    query_index = torch.zeros(batch, longest_chunk, dtype=torch.long)
+    out_index: list[int] = []
+    start = 0
+    for b, chunk in enumerate(chunks):
+        n = chunk.num_new
+        query_positions[b, :n] = torch.tensor(flat_positions[start : start + n])
+        query_index[b, :n] = torch.arange(start, start + n)
+        query_index[b, n:] = start  # padding rows repeat a real query; their output is dropped
+        out_index.extend(range(b * longest_chunk, b * longest_chunk + n))
+        start += n
+    if window is not None:
+        key_positions = torch.where(
+            committed, key_index[None, :], query_positions.gather(1, new_index)
+        )  # (B, C)
+        distance = query_positions[:, :, None] - key_positions[:, None, :]
+        mask &= distance < window
+    query_is_real = torch.arange(longest_chunk)[None, :] < torch.tensor([c.num_new for c in chunks])[:, None]
+    mask[:, :, 0] |= ~query_is_real  # padding rows see one key, so their softmax stays finite
+
+    as_long = {"dtype": torch.long, "device": device}
+    return AttentionLayout(
+        query_index=query_index.to(device) if batch > 1 else None,
+        out_index=torch.tensor(out_index, **as_long) if batch > 1 else None,
+        kv_slots=_kv_slots(chunks, block_size, device),
+        mask=mask[:, None].to(device),
+        is_causal=False,
+    )
+
+
+def _kv_slots(chunks: Sequence[SequenceChunk], block_size: int, device: torch.device | str) -> torch.Tensor:
+    """(B, C) cache slot of each logical index; padding repeats the sequence's first slot."""
+    longest_context = max(c.context_len for c in chunks)
+    rows = []
+    for chunk in chunks:
+        table = chunk.block_table
+        slots = [
+            table[index // block_size] * block_size + index % block_size
+            for index in range(chunk.context_len)
+        ]
+        rows.append(slots + [slots[0]] * (longest_context - len(slots)))
+    return torch.tensor(rows, dtype=torch.long, device=device)

@@ -1,0 +1,168 @@
+"""A GGUF file: header parsed here, tensor data memory-mapped, dequantised by the `gguf` package.
+
+The `gguf` package's own reader builds a numpy view for every element of every metadata array,
+which takes seconds for a 262,144-token vocabulary; this reader walks the header once, skips
+the token tables (the tokenizer reads them itself) and checks that every tensor lies inside the
+file. Layout (version 2 and 3): magic "GGUF", version, tensor count, key/value count, the
+key/value pairs, the tensor infos, padding to `general.alignment`, then the tensor data.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+GGUF_MAGIC = b"GGUF"
+_SCALARS = {  # value type → struct format
+    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+    12: "<d",
+}  # fmt: skip
+_STRING, _ARRAY = 8, 9
+# Arrays this large are skipped rather than decoded (token lists, merges, scores).
+_MAX_DECODED_ARRAY = 4096
+
+
+class GGUFFormatError(ValueError):
+    """The bytes are not a well-formed GGUF file."""
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # numpy order: rows (outer) first
+    type_id: int
+    offset: int  # absolute byte offset in the file
+    num_bytes: int
+
+
+class _Cursor:
+    def __init__(self, handle: BinaryIO, size: int) -> None:
+        self.handle = handle
+        self.size = size
+
+    def read(self, n: int) -> bytes:
+        data = self.handle.read(n)
+        if len(data) != n:
+            raise GGUFFormatError(f"header ends early at byte {self.handle.tell():,} of {self.size:,}")
+        return data
+
+    def unpack(self, fmt: str) -> Any:
+        return struct.unpack(fmt, self.read(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        length = self.unpack("<Q")
+        if length > self.size:
+            raise GGUFFormatError(f"string length {length:,} exceeds the file size")
+        return self.read(length).decode("utf-8", errors="replace")
+
+    def skip_string(self) -> None:
+        length = self.unpack("<Q")
+        if length > self.size:
+            raise GGUFFormatError(f"string length {length:,} exceeds the file size")
+        self.handle.seek(length, 1)
+
+    def value(self, value_type: int) -> Any:
+        if value_type in _SCALARS:
+            return self.unpack(_SCALARS[value_type])
+        if value_type == _STRING:
+            return self.string()
+        if value_type == _ARRAY:
+            item_type, count = self.unpack("<I"), self.unpack("<Q")
+            if count > self.size:
+                raise GGUFFormatError(f"array length {count:,} exceeds the file size")
+            if count > _MAX_DECODED_ARRAY:
+                self.skip_array(item_type, count)
+                return SkippedArray(item_type, count)
+            return [self.value(item_type) for _ in range(count)]
+        raise GGUFFormatError(f"unknown metadata value type {value_type}")
+
+    def skip_array(self, item_type: int, count: int) -> None:
+        if item_type in _SCALARS:
+            self.handle.seek(struct.calcsize(_SCALARS[item_type]) * count, 1)
+        elif item_type == _STRING:
+            for _ in range(count):
+                self.skip_string()
+        else:
+            for _ in range(count):
+                self.value(item_type)
+
+
+@dataclass(frozen=True)
+class SkippedArray:
+    """A long metadata array that was not decoded: only its element type and length are kept."""
+
+    item_type: int
+    length: int
+
+
+class GGUFFile:
+    """Metadata and tensor infos of a GGUF file, with its data memory-mapped."""
+
+    def __init__(self, path: str | Path) -> None:
+        import gguf
+
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        with self.path.open("rb") as handle:
+            cursor = _Cursor(handle, size)
+            magic = cursor.read(4)
+            if magic != GGUF_MAGIC:
+                raise GGUFFormatError(f"bad magic {magic!r} (expected {GGUF_MAGIC!r})")
+            version = cursor.unpack("<I")
+            if version not in (2, 3):
+                raise GGUFFormatError(f"unsupported GGUF version {version}")
+            tensor_count, kv_count = cursor.unpack("<Q"), cursor.unpack("<Q")
+            if tensor_count > size or kv_count > size:
+                raise GGUFFormatError("tensor or key counts exceed the file size")
+            self.metadata: dict[str, Any] = {}
+            for _ in range(kv_count):
+                key = cursor.string()
+                self.metadata[key] = cursor.value(cursor.unpack("<I"))
+            infos = []
+            for _ in range(tensor_count):
+                name = cursor.string()
+                n_dims = cursor.unpack("<I")
+                if n_dims > 8:
+                    raise GGUFFormatError(f"tensor {name!r} has {n_dims} dimensions")
+                dims = [cursor.unpack("<Q") for _ in range(n_dims)]
+                infos.append((name, dims, cursor.unpack("<I"), cursor.unpack("<Q")))
+            alignment = int(self.metadata.get("general.alignment", 32))
+            data_start = -(-handle.tell() // alignment) * alignment
+
+        self.tensors: dict[str, GGUFTensorInfo] = {}
+        for name, dims, type_id, offset in infos:
+            try:
+                quant_type = gguf.GGMLQuantizationType(type_id)
+                block_elements, block_bytes = gguf.GGML_QUANT_SIZES[quant_type]
+            except (ValueError, KeyError):
+                raise GGUFFormatError(f"tensor {name!r} has unknown type id {type_id}") from None
+            num_elements = int(np.prod(dims)) if dims else 1
+            num_bytes = num_elements // block_elements * block_bytes
+            start = data_start + offset
+            if start + num_bytes > size:
+                raise GGUFFormatError(
+                    f"truncated file: tensor {name!r} ends at byte {start + num_bytes:,} "
+                    f"but the file has {size:,} bytes"
+                )
+            self.tensors[name] = GGUFTensorInfo(name, tuple(reversed(dims)), type_id, start, num_bytes)
+        self._data = np.memmap(self.path, dtype=np.uint8, mode="r") if self.tensors else None
+
+    def read(self, name: str) -> np.ndarray:
+        """Tensor `name` dequantised to float32, in numpy order (out × in)."""
+        import gguf
+
+        info = self.tensors[name]
+        quant_type = gguf.GGMLQuantizationType(info.type_id)
+        raw = self._data[info.offset : info.offset + info.num_bytes]
+        rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+        values = gguf.quants.dequantize(raw.reshape(rows, -1), quant_type)
+        return np.asarray(values, dtype=np.float32).reshape(info.shape)
+
+    def type_name(self, name: str) -> str:
+        import gguf
+
+        return gguf.GGMLQuantizationType(self.tensors[name].type_id).name

@@ -1,0 +1,49 @@
+"""Paged KV tensors of one resident model.
+
+The cache is a flat array of slots per layer: slot `block * block_size + offset` holds the key and
+value of one token. Which blocks a sequence owns is policy (`policy.blocks`); this class only
+stores bytes and reads or writes them by slot index. It never decides anything.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from polylane.runtime.model_config import ModelConfig
+
+
+class PagedKVCache:
+    """K and V for `num_blocks` blocks of `block_size` tokens, per layer.
+
+    keys[layer] and values[layer] have shape (num_blocks * block_size, num_kv_heads, head_dim).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
+
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store new tokens' K/V (T, num_kv_heads, head_dim) at `slots` (T,)."""
+        self.keys[layer].index_copy_(0, slots, keys)
+        self.values[layer].index_copy_(0, slots, values)

@@ -1,0 +1,171 @@
+"""Layers shared by every architecture: RMSNorm, rotary embeddings, paged attention, gated MLP.
+
+Tensors are flat over the batch: T new tokens from any number of sequences, hidden states (T, E).
+Attention goes through the paged KV cache and the `AttentionLayout` of `runtime.batch`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from polylane.runtime.batch import AttentionLayout, ForwardBatch
+from polylane.runtime.kv_cache import PagedKVCache
+from polylane.runtime.model_config import GLOBAL, SLIDING, ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight, normalised in float32.
+
+    The weight is multiplicative as stored here: Gemma's `1 + w` convention is folded in at load.
+    `cast_before_weight`: Llama/Qwen cast the normalised x back to the input dtype before the
+    multiply; Gemma multiplies in float32 and casts after. Both follow their reference.
+    """
+
+    def __init__(self, size: int, eps: float, cast_before_weight: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+        self.cast_before_weight = cast_before_weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.cast_before_weight:
+            return self.weight * normed.to(dtype)
+        return (normed * self.weight.float()).to(dtype)
+
+
+class RotaryTable:
+    """cos/sin of rotate-half ("NeoX") RoPE for one base, grown on demand and indexed by position."""
+
+    def __init__(self, head_dim: int, theta: float, dtype: torch.dtype, device: torch.device) -> None:
+        self.inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+        )
+        self.dtype = dtype
+        self.cos = torch.empty(0, head_dim, dtype=dtype, device=device)
+        self.sin = torch.empty(0, head_dim, dtype=dtype, device=device)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T,) positions → cos, sin of shape (T, 1, head_dim)."""
+        needed = int(positions.max()) + 1
+        if needed > self.cos.shape[0]:
+            size = max(needed, 2 * self.cos.shape[0], 256)
+            steps = torch.arange(size, device=self.inv_freq.device, dtype=torch.float32)
+            freqs = steps[:, None] * self.inv_freq[None, :]  # (P, D/2)
+            angles = torch.cat((freqs, freqs), dim=-1)  # (P, D)
+            self.cos = angles.cos().to(self.dtype)
+            self.sin = angles.sin().to(self.dtype)
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, H, D) rotated by the angles of its position (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class ForwardContext:
+    """Per-forward state every layer reads: the batch layout, RoPE angles and the KV cache."""
+
+    def __init__(
+        self,
+        batch: ForwardBatch,
+        kv_cache: PagedKVCache,
+        rotary: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        self.batch = batch
+        self.kv_cache = kv_cache
+        self.rotary = rotary  # layer type → (cos, sin) for this batch's positions
+
+
+class PagedAttention(nn.Module):
+    """Grouped-query self-attention with fused QKV, over the paged KV cache."""
+
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.layer_type = config.layer_types[layer_index]
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.attention_scale or config.head_dim**-0.5
+        qkv_size = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, cast_before_weight=False)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, cast_before_weight=False)
+
+    def forward(self, hidden: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split((q_size, kv_size, kv_size), dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)  # (T, H, D)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = context.rotary[self.layer_type]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        cache = context.kv_cache
+        cache.write(self.layer_index, context.batch.slot_mapping, k, v)
+        layout = context.batch.layouts[self.layer_type if self.layer_type == SLIDING else GLOBAL]
+        out = paged_attention(q, k, v, cache, self.layer_index, layout, self.scale)
+        return self.o_proj(out.reshape(tokens, q_size))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cache: PagedKVCache,
+    layer: int,
+    layout: AttentionLayout,
+    scale: float,
+) -> torch.Tensor:
+    """q (T, H, D) attends per `layout`; returns (T, H, D)."""
+    if layout.kv_slots is None:  # fresh prefill: the chunk's own K/V are the whole context
+        keys, values = k_new.unsqueeze(0), v_new.unsqueeze(0)  # (1, T, Hkv, D)
+    else:
+        keys = cache.keys[layer][layout.kv_slots]  # (B, C, Hkv, D)
+        values = cache.values[layer][layout.kv_slots]
+    queries = q.unsqueeze(0) if layout.query_index is None else q[layout.query_index]  # (B, Q, H, D)
+    out = F.scaled_dot_product_attention(
+        queries.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=layout.mask,
+        is_causal=layout.is_causal,
+        scale=scale,
+        enable_gqa=True,
+    ).transpose(1, 2)  # (B, Q, H, D)
+    if layout.out_index is None:
+        return out[0]
+    return out.reshape(-1, *out.shape[2:])[layout.out_index]
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matrix."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        if activation == "silu":
+            self.act = F.silu
+        elif activation == "gelu_tanh":
+            self.act = lambda x: F.gelu(x, approximate="tanh")
+        else:
+            raise ValueError(f"unknown activation {activation!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)

@@ -1,0 +1,261 @@
+"""Read GGUF files and Hugging Face safetensors folders into our decoder at a chosen dtype.
+
+GGUF tensors are memory-mapped by the `gguf` package and dequantised tensor by tensor; safetensors
+are memory-mapped by `safetensors`. Both are renamed to the Hugging Face layout first (undoing
+llama.cpp's own conventions), then copied into the fused parameters of our modules.
+
+Every failure names the file and the problem: a bad magic, a truncated file, an unknown
+architecture, a missing tensor or a tensor of the wrong shape.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from polylane.runtime.gguf_file import GGUFFile, GGUFFormatError
+from polylane.runtime.model_config import ModelConfig
+from polylane.runtime.models import ARCHITECTURES, HF_MODEL_TYPES
+from polylane.runtime.models.base import DecoderModel
+
+
+class LoadError(RuntimeError):
+    """A model file could not be loaded; the message names the file and the reason."""
+
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+# Fused destinations: (our parameter, row offset in units of the config field named).
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+@dataclass
+class LoadedWeights:
+    config: ModelConfig
+    model: DecoderModel
+    weight_bytes: int
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        if name not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"unsupported weight dtype {name}; use fp32 or bf16")
+        return name
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unsupported weight dtype {name!r}; use fp32 or bf16") from None
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+def _open_gguf(path: Path) -> GGUFFile:
+    try:
+        file = GGUFFile(path)
+    except FileNotFoundError:
+        raise LoadError(f"{path}: file not found") from None
+    except GGUFFormatError as error:
+        raise LoadError(f"{path}: not a valid GGUF file: {error}") from None
+    except OSError as error:
+        raise LoadError(f"{path}: cannot read ({error})") from None
+    tokens = file.metadata.get("tokenizer.ggml.tokens")
+    file.metadata["__vocab_size"] = getattr(tokens, "length", None) or (
+        len(tokens) if tokens else None
+    )
+    file.metadata["__has_output"] = "output.weight" in file.tensors
+    if "general.architecture" not in file.metadata:
+        raise LoadError(f"{path}: GGUF header has no general.architecture")
+    return file
+
+
+def _read_tensor(file: GGUFFile, name: str) -> np.ndarray:
+    try:
+        return file.read(name)
+    except NotImplementedError as error:
+        raise LoadError(
+            f"{file.path}: tensor {name!r} has type {file.type_name(name)}, which cannot be "
+            f"dequantised ({error})"
+        ) from None
+
+
+def _gguf_tensors(
+    file: GGUFFile, module: Any, config: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (Hugging Face name, float32 tensor) for every tensor the decoder needs."""
+    top = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+    for gguf_name in file.tensors:
+        stem, _, suffix = gguf_name.rpartition(".")
+        if stem in top:
+            hf_name = f"{top[stem]}.{suffix}"
+        elif (match := re.match(r"^blk\.(\d+)\.(\w+)$", stem)) and match[2] in module.GGUF_LAYER_NAMES:
+            hf_name = f"model.layers.{match[1]}.{module.GGUF_LAYER_NAMES[match[2]]}.{suffix}"
+        else:
+            continue  # tensors our decoder does not use (e.g. precomputed rope tables)
+        array = module.transform_gguf_tensor(hf_name, _read_tensor(file, gguf_name), config)
+        if not array.flags.writeable or not array.flags.c_contiguous:
+            array = np.array(array, order="C")  # memory-mapped F32 tensors are read-only
+        yield hf_name, torch.from_numpy(array)
+
+
+def load_gguf(path: str | Path, dtype: str | torch.dtype = "fp32") -> LoadedWeights:
+    path = Path(path)
+    file = _open_gguf(path)
+    arch = str(file.metadata["general.architecture"])
+    if arch not in ARCHITECTURES:
+        raise LoadError(
+            f"{path}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+        )
+    model_class, module = ARCHITECTURES[arch]
+    try:
+        config = module.config_from_gguf(file.metadata)
+    except (KeyError, ValueError, TypeError) as error:
+        raise LoadError(f"{path}: incomplete {arch} header ({error})") from None
+    model = _build(model_class, config, parse_dtype(dtype), _gguf_tensors(file, module, config), path)
+    return LoadedWeights(config, model, _parameter_bytes(model))
+
+
+# ---------------------------------------------------------------- Hugging Face folders
+
+
+def load_hf_folder(path: str | Path, dtype: str | torch.dtype = "fp32") -> LoadedWeights:
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise LoadError(f"{path}: cannot read config.json ({error})") from None
+    model_type = cfg.get("model_type")
+    arch = HF_MODEL_TYPES.get(str(model_type))
+    if arch is None:
+        raise LoadError(
+            f"{path}: model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(HF_MODEL_TYPES)})"
+        )
+    model_class, module = ARCHITECTURES[arch]
+    try:
+        config = module.config_from_hf(cfg)
+    except (KeyError, ValueError, TypeError) as error:
+        raise LoadError(f"{path}: config.json is incomplete or unsupported ({error})") from None
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise LoadError(f"{path}: no *.safetensors files")
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for file in files:
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except Exception as error:
+                raise LoadError(f"{file}: not a readable safetensors file ({error})") from None
+            with handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    hf_name = name.removeprefix("language_model.")
+                    if hf_name.startswith("model.language_model."):
+                        hf_name = "model." + hf_name.removeprefix("model.language_model.")
+                    try:
+                        yield hf_name, handle.get_tensor(name).float()
+                    except Exception as error:
+                        raise LoadError(f"{file}: cannot read tensor {name!r} ({error})") from None
+
+    model = _build(model_class, config, parse_dtype(dtype), tensors(), path)
+    return LoadedWeights(config, model, _parameter_bytes(model))
+
+
+def load_weights(path: str | Path, format: str, dtype: str | torch.dtype = "fp32") -> LoadedWeights:
+    if format == "gguf":
+        return load_gguf(path, dtype)
+    if format == "hf":
+        return load_hf_folder(path, dtype)
+    raise ValueError(f"unknown model format {format!r}")
+
+
+# ---------------------------------------------------------------- filling the modules
+
+
+def _destination(hf_name: str, config: ModelConfig) -> tuple[str, int] | None:
+    """Our parameter name and the row offset inside it, for a Hugging Face tensor name."""
+    if hf_name == "lm_head.weight":
+        return (None if config.tie_embeddings else ("lm_head.weight", 0))
+    if not hf_name.startswith("model."):
+        return None
+    name = hf_name.removeprefix("model.")
+    match = _LAYER.match(hf_name)
+    if match is None:
+        return name, 0
+    index, rest = match[1], match[2]
+    q_rows = config.num_heads * config.head_dim
+    kv_rows = config.num_kv_heads * config.head_dim
+    fused = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+        "self_attn.k_proj": ("self_attn.qkv_proj", q_rows),
+        "self_attn.v_proj": ("self_attn.qkv_proj", q_rows + kv_rows),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+        "mlp.up_proj": ("mlp.gate_up_proj", config.intermediate_size),
+    }
+    module_name, _, suffix = rest.rpartition(".")
+    if module_name in fused:
+        target, offset = fused[module_name]
+        return f"layers.{index}.{target}.{suffix}", offset
+    return f"layers.{index}.{rest}", 0
+
+
+def _build(
+    model_class: type[DecoderModel],
+    config: ModelConfig,
+    dtype: torch.dtype,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    path: Path,
+) -> DecoderModel:
+    with torch.device("meta"):
+        model = model_class(config)
+    # Gemma-style norms keep float32 weights (they multiply in float32); the rest takes `dtype`.
+    float32_names: set[str] = set()
+    for module_name, module in model.named_modules():
+        keep_float32 = getattr(module, "cast_before_weight", True) is False
+        for name, parameter in list(module._parameters.items()):
+            if parameter is None:
+                continue
+            full_name = f"{module_name}.{name}" if module_name else name
+            if keep_float32:
+                float32_names.add(full_name)
+            empty = torch.empty(parameter.shape, dtype=torch.float32 if keep_float32 else dtype)
+            module._parameters[name] = torch.nn.Parameter(empty, requires_grad=False)
+    parameters = dict(model.named_parameters())
+    filled: dict[str, int] = {}  # parameter → rows written
+    for hf_name, tensor in tensors:
+        destination = _destination(hf_name, config)
+        if destination is None:
+            continue
+        name, offset = destination
+        parameter = parameters.get(name)
+        if parameter is None:
+            continue
+        if name in float32_names:
+            tensor = tensor + 1  # Gemma's 1 + w, folded once here
+        rows = tensor.shape[0]
+        expected = parameter.shape[1:] if parameter.dim() > 1 else ()
+        if offset + rows > parameter.shape[0] or tuple(tensor.shape[1:]) != tuple(expected):
+            raise LoadError(
+                f"{path}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, which does not fit "
+                f"{name} {tuple(parameter.shape)} at row {offset}"
+            )
+        parameter.data[offset : offset + rows] = tensor.to(parameter.dtype)
+        filled[name] = filled.get(name, 0) + rows
+    missing = sorted(n for n, p in parameters.items() if filled.get(n, 0) != p.shape[0])
+    if missing:
+        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        raise LoadError(f"{path}: missing tensors for {shown}")
+    model.make_rotary_tables(dtype, torch.device("cpu"))
+    return model.eval()
+
+
+def _parameter_bytes(model: DecoderModel) -> int:
+    return sum(p.nbytes for p in model.parameters())

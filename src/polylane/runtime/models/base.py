@@ -1,0 +1,66 @@
+"""The decoder skeleton every architecture shares: embed → layers → final norm → logits.
+
+An architecture module supplies the layer class and how to read its config; this module owns the
+single forward entry point over a flat batch (`forward(batch, kv_cache)`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from polylane.runtime.batch import ForwardBatch
+from polylane.runtime.kv_cache import PagedKVCache
+from polylane.runtime.layers import ForwardContext, RMSNorm, RotaryTable
+from polylane.runtime.model_config import GLOBAL, SLIDING, ModelConfig
+
+
+class DecoderModel(nn.Module):
+    """A causal decoder over paged KV. Subclasses set `layer_class` and `gemma_norms`."""
+
+    layer_class: type[nn.Module]
+    gemma_norms: bool = False  # norms multiply in float32 and keep float32 weights
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            self.layer_class(config, index) for index in range(config.num_layers)
+        )
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, cast_before_weight=not self.gemma_norms
+        )
+        self.lm_head = (
+            None
+            if config.tie_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self._rotary: dict[str, RotaryTable] = {}
+
+    def make_rotary_tables(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Build the RoPE tables once weights are in place (call after loading)."""
+        config = self.config
+        self._rotary = {GLOBAL: RotaryTable(config.head_dim, config.rope_theta, dtype, device)}
+        if config.has_sliding_layers:
+            local_theta = config.rope_local_theta or config.rope_theta
+            self._rotary[SLIDING] = RotaryTable(config.head_dim, local_theta, dtype, device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        """Run the batch's new tokens, write their K/V, return float32 logits (R, vocab)."""
+        hidden = self.embed_tokens(batch.token_ids)  # (T, E)
+        if self.config.embedding_scale != 1.0:
+            hidden = hidden * torch.tensor(self.config.embedding_scale, dtype=hidden.dtype)
+        rotary = {kind: table.lookup(batch.positions) for kind, table in self._rotary.items()}
+        context = ForwardContext(batch, kv_cache, rotary)
+        for layer in self.layers:
+            hidden = layer(hidden, context)
+        hidden = self.norm(hidden[batch.logit_rows])  # (R, E)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden, weight).float()  # (R, V)
+        if self.config.final_logit_softcap:
+            cap = self.config.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits

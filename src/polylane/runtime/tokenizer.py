@@ -1,0 +1,95 @@
+"""Tokenizer and chat template of a model, read from the model's own file.
+
+GGUF files carry their vocabulary, merges and chat template; `transformers` turns them into a fast
+(`tokenizers`) tokenizer. That conversion takes 10–40 s for large vocabularies, so the result is
+saved once under the cache directory, keyed by the file's path, size and modification time, and
+later loads read the saved `tokenizer.json` in well under a second.
+
+Chat templates come from model files, i.e. from strangers: `transformers` renders them in a
+sandboxed Jinja2 environment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from polylane.catalog import ModelSource, cache_dir
+
+# Tokens that end an assistant turn in the chat formats of the models we serve.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>")
+
+
+class ChatTemplateError(ValueError):
+    """The model has no chat template, or its template failed to render these messages."""
+
+
+class Tokenizer:
+    """Text ⇄ token ids, stop tokens and chat rendering for one model."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        vocab = backend.get_vocab()
+        stop = {backend.eos_token_id} if backend.eos_token_id is not None else set()
+        stop |= {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
+        self.stop_token_ids: frozenset[int] = frozenset(stop)
+        self.vocab_size = len(vocab)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.backend.chat_template)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of `messages` in the model's chat format, ready for the assistant's turn."""
+        if not self.has_chat_template:
+            raise ChatTemplateError(
+                "this model has no chat template (it is a base model); send a plain prompt instead"
+            )
+        try:
+            text = self.backend.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as error:
+            raise ChatTemplateError(f"the model's chat template failed: {error}") from None
+        # The template writes any BOS itself.
+        return self.encode(text, add_special_tokens=False)
+
+
+def _cache_key(path: Path) -> str:
+    stat = path.stat()
+    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    return hashlib.sha256(identity.encode()).hexdigest()[:24]
+
+
+def load_tokenizer(source: ModelSource) -> Tokenizer:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    if source.format == "hf":
+        return Tokenizer(AutoTokenizer.from_pretrained(source.path))
+    saved = cache_dir() / "tokenizers" / _cache_key(source.path)
+    if (saved / "tokenizer.json").is_file():
+        return Tokenizer(PreTrainedTokenizerFast.from_pretrained(saved))
+    backend = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=saved.parent) as tmp:
+        backend.save_pretrained(tmp)
+        try:
+            os.replace(tmp, saved)
+        except OSError:  # another process saved it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return Tokenizer(backend)

@@ -1,0 +1,95 @@
+"""Plain data that crosses between policy, runtime and front ends. No torch here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its next token.
+
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it before softmax.
+    top_k: keep only the k most likely tokens (0 = off).
+    top_p: keep the smallest set of tokens whose probability sums to at least top_p (1.0 = off).
+    min_p: drop tokens whose probability is below min_p × the top token's probability (0 = off).
+    seed: a request with the same seed and the same inputs produces the same tokens.
+    max_tokens: the most tokens to generate.
+    stop: strings that end generation; they are never part of the output.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """The part of one sequence that a forward pass computes.
+
+    The sequence already has `num_cached` tokens of KV in the blocks of `block_table`; this chunk
+    appends `len(token_ids)` more at logical indexes num_cached, num_cached + 1, …
+
+    tree_parents: None for a causal chain (a prefill chunk or decode tokens). For a token tree, the
+    parent of each new token as an index into this chunk, or -1 for a child of the committed
+    prefix; parents come before children. A tree token sees the committed prefix and its own
+    ancestors, never its siblings, and sits at position num_cached + depth - 1 (depth 1 for a
+    child of the prefix).
+    logits: which rows of this chunk need logits: "none", "last" or "all".
+    """
+
+    token_ids: tuple[int, ...]
+    num_cached: int
+    block_table: tuple[int, ...]
+    tree_parents: tuple[int, ...] | None = None
+    logits: str = "last"
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError("a chunk needs at least one token")
+        if self.logits not in ("none", "last", "all"):
+            raise ValueError(f"logits must be 'none', 'last' or 'all', got {self.logits!r}")
+        if self.tree_parents is not None:
+            if len(self.tree_parents) != len(self.token_ids):
+                raise ValueError(
+                    f"tree has {len(self.tree_parents)} parents for {len(self.token_ids)} tokens"
+                )
+            for node, parent in enumerate(self.tree_parents):
+                if not -1 <= parent < node:
+                    raise ValueError(
+                        f"tree node {node} has parent {parent}: parents must come before "
+                        "their children (-1 for the committed prefix)"
+                    )
+
+    @property
+    def num_new(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens of KV the sequence holds once this chunk is written."""
+        return self.num_cached + len(self.token_ids)
