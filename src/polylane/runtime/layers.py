@@ -41,9 +41,12 @@ class RMSNorm(nn.Module):
 class RotaryTable:
     """cos/sin of rotate-half ("NeoX") RoPE for one base, grown on demand and indexed by position."""
 
-    def __init__(self, head_dim: int, theta: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, head_dim: int, theta: float, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.inv_freq = 1.0 / (
-            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+            theta
+            ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
         )
         self.dtype = dtype
         self.cos = torch.empty(0, head_dim, dtype=dtype, device=device)
@@ -136,7 +139,9 @@ def paged_attention(
     else:
         keys = cache.keys[layer][layout.kv_slots]  # (B, C, Hkv, D)
         values = cache.values[layer][layout.kv_slots]
-    queries = q.unsqueeze(0) if layout.query_index is None else q[layout.query_index]  # (B, Q, H, D)
+    queries = (
+        q.unsqueeze(0) if layout.query_index is None else q[layout.query_index]
+    )  # (B, Q, H, D)
     out = F.scaled_dot_product_attention(
         queries.transpose(1, 2),
         keys.transpose(1, 2),

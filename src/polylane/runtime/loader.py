@@ -30,7 +30,12 @@ class LoadError(RuntimeError):
     """A model file could not be loaded; the message names the file and the reason."""
 
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
 
 # Fused destinations: (our parameter, row offset in units of the config field named).
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -95,7 +100,9 @@ def _gguf_tensors(
         stem, _, suffix = gguf_name.rpartition(".")
         if stem in top:
             hf_name = f"{top[stem]}.{suffix}"
-        elif (match := re.match(r"^blk\.(\d+)\.(\w+)$", stem)) and match[2] in module.GGUF_LAYER_NAMES:
+        elif (match := re.match(r"^blk\.(\d+)\.(\w+)$", stem)) and match[
+            2
+        ] in module.GGUF_LAYER_NAMES:
             hf_name = f"model.layers.{match[1]}.{module.GGUF_LAYER_NAMES[match[2]]}.{suffix}"
         else:
             continue  # tensors our decoder does not use (e.g. precomputed rope tables)
@@ -118,7 +125,9 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "fp32") -> LoadedWeig
         config = module.config_from_gguf(file.metadata)
     except (KeyError, ValueError, TypeError) as error:
         raise LoadError(f"{path}: incomplete {arch} header ({error})") from None
-    model = _build(model_class, config, parse_dtype(dtype), _gguf_tensors(file, module, config), path)
+    model = _build(
+        model_class, config, parse_dtype(dtype), _gguf_tensors(file, module, config), path
+    )
     return LoadedWeights(config, model, _parameter_bytes(model))
 
 
@@ -183,7 +192,7 @@ def load_weights(path: str | Path, format: str, dtype: str | torch.dtype = "fp32
 def _destination(hf_name: str, config: ModelConfig) -> tuple[str, int] | None:
     """Our parameter name and the row offset inside it, for a Hugging Face tensor name."""
     if hf_name == "lm_head.weight":
-        return (None if config.tie_embeddings else ("lm_head.weight", 0))
+        return None if config.tie_embeddings else ("lm_head.weight", 0)
     if not hf_name.startswith("model."):
         return None
     name = hf_name.removeprefix("model.")
@@ -251,7 +260,9 @@ def _build(
         filled[name] = filled.get(name, 0) + rows
     missing = sorted(n for n, p in parameters.items() if filled.get(n, 0) != p.shape[0])
     if missing:
-        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        shown = ", ".join(missing[:6]) + (
+            f" and {len(missing) - 6} more" if len(missing) > 6 else ""
+        )
         raise LoadError(f"{path}: missing tensors for {shown}")
     model.make_rotary_tables(dtype, torch.device("cpu"))
     return model.eval()

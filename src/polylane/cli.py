@@ -1,0 +1,132 @@
+"""The `polylane` command: list models, generate text.
+
+polylane models                      the catalogue, with size and whether each is cached
+polylane generate MODEL PROMPT       stream a completion to the terminal
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from polylane import catalog
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    print(f"{'name':32} {'arch':8} {'params':>7} {'quant':8} {'size':>9}  cached  chat")
+    for entry in catalog.CATALOG.values():
+        cached = "yes" if catalog.is_cached(entry) else "no"
+        chat = "yes" if entry.has_chat_template else "no"
+        default = "  (default)" if entry.name == catalog.DEFAULT_MODEL else ""
+        print(
+            f"{entry.name:32} {entry.architecture:8} {entry.params:>7} {entry.quantization:8} "
+            f"{entry.size_bytes / 1e6:7,.0f} MB  {cached:6}  {chat}{default}"
+        )
+    print(f"\ncache: {catalog.cache_dir()}  (set ${catalog.CACHE_ENV} to move it)")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from polylane.runtime.detokenizer import IncrementalDetokenizer
+    from polylane.runtime.generate import GenerationRequest, Generator
+    from polylane.runtime.loaded_model import load_model
+    from polylane.runtime.tokenizer import ChatTemplateError
+    from polylane.types import SamplingParams
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+    )
+    print(f"loading {args.model} ({args.dtype}) …", file=sys.stderr, flush=True)
+    model = load_model(args.model, args.dtype)
+    tokenizer = model.tokenizer
+    if args.raw or not tokenizer.has_chat_template:
+        if not args.raw:
+            print("(model has no chat template: prompt sent as plain text)", file=sys.stderr)
+        prompt_ids = tokenizer.encode(args.prompt)
+    else:
+        try:
+            prompt_ids = tokenizer.render_chat([{"role": "user", "content": args.prompt}])
+        except ChatTemplateError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+    total = len(prompt_ids) + params.max_tokens
+    if total > model.config.max_context:
+        print(
+            f"error: prompt ({len(prompt_ids)} tokens) + --max-tokens ({params.max_tokens}) = "
+            f"{total} exceeds the model's context of {model.config.max_context} tokens",
+            file=sys.stderr,
+        )
+        return 2
+    block_size = 16
+    generator = Generator(model, num_blocks=-(-total // block_size), block_size=block_size)
+    detokenizer = IncrementalDetokenizer(tokenizer)
+
+    def stream(_: int, token_id: int) -> None:
+        if token_id not in tokenizer.stop_token_ids:
+            sys.stdout.write(detokenizer.push(token_id))
+            sys.stdout.flush()
+
+    started = time.perf_counter()
+    [output] = generator.generate([GenerationRequest(tuple(prompt_ids), params)], on_token=stream)
+    elapsed = time.perf_counter() - started
+    sys.stdout.write("\n")
+    print(
+        f"[{model.name} {args.dtype}] load {model.load_seconds:.2f} s | prompt "
+        f"{output.prompt_tokens} tokens | TTFT {output.ttft_seconds * 1000:.0f} ms | "
+        f"{len(output.token_ids)} tokens, decode {output.decode_tokens_per_second:.1f} tokens/s | "
+        f"finish: {output.finish_reason} | total {elapsed:.2f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="polylane", description="Host many models, share the prefill, decode one."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    models = commands.add_parser("models", help="list the model catalogue")
+    models.set_defaults(run=_cmd_models)
+
+    generate = commands.add_parser("generate", help="generate text from a prompt")
+    generate.add_argument(
+        "model", help="catalogue name (see `polylane models`), a .gguf file or a HF folder"
+    )
+    generate.add_argument("prompt", help="the prompt (a user message for chat models)")
+    generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    generate.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    generate.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weight dtype")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    generate.add_argument("--top-k", type=int, default=0, help="0 = off")
+    generate.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    generate.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    generate.add_argument("--seed", type=int, default=None, help="same seed, same output")
+    generate.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    generate.set_defaults(run=_cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (catalog.ModelNotFoundError, catalog.FetchError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
