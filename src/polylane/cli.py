@@ -100,9 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.set_defaults(run=_cmd_models)
 
     generate = commands.add_parser("generate", help="generate text from a prompt")
-    generate.add_argument(
-        "model", help="catalogue name (see `polylane models`), a .gguf file or a HF folder"
-    )
+    generate.add_argument("model", help="catalogue name (see `polylane models`), a .gguf file or a HF folder")
     generate.add_argument("prompt", help="the prompt (a user message for chat models)")
     generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
     generate.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
@@ -118,10 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from polylane.runtime.loader import LoadError
+
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (catalog.ModelNotFoundError, catalog.FetchError, ValueError) as error:
+    except (catalog.ModelNotFoundError, catalog.FetchError, LoadError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -25,17 +25,22 @@ from polylane.types import SequenceChunk
 class AttentionLayout:
     """How one kind of layer (global or sliding) attends in this forward.
 
-    query_index: (B, Q) rows of the flat batch forming the padded queries; None when B == 1.
-    out_index: (T,) rows of the padded (B * Q) output that are real tokens; None when B == 1.
-    kv_slots: (B, C) cache slots each sequence reads; None when the chunk attends only to itself
-        (a fresh prefill) and the new K/V are used directly.
+    Queries: the flat (T, H, D) batch viewed as (B, Q, H, D) through `query_index`
+    ((B, Q) rows of the flat batch; None when B == 1); `out_index` ((T,) rows of the padded
+    B * Q output that are real tokens; None when B == 1).
+    Keys/values, (B, C, Hkv, D), come from exactly one of: `kv_range`, a (start, stop) slice of
+    consecutive cache slots (B == 1); `kv_index`, (B * C,) slots gathered row by row; or neither,
+    when a fresh prefill attends only to its own new K/V.
     mask: (B, 1, Q, C) bool, True where a query may see a key; None when everything is visible
-        or `is_causal` says it all.
+    or `is_causal` says it all.
     """
 
+    batch_size: int
+    context_len: int
     query_index: torch.Tensor | None
     out_index: torch.Tensor | None
-    kv_slots: torch.Tensor | None
+    kv_range: tuple[int, int] | None
+    kv_index: torch.Tensor | None
     mask: torch.Tensor | None
     is_causal: bool
 
@@ -106,8 +111,7 @@ def build_forward_batch(
     as_long = {"dtype": torch.long, "device": device}
     layer_types = (GLOBAL, SLIDING) if config.has_sliding_layers else (GLOBAL,)
     layouts = {
-        kind: _layout(chunks, block_size, positions, kind == SLIDING, config, device)
-        for kind in layer_types
+        kind: _layout(chunks, block_size, positions, kind == SLIDING, config, device) for kind in layer_types
     }
     return ForwardBatch(
         token_ids=torch.tensor(token_ids, **as_long),
@@ -134,12 +138,16 @@ def _layout(
     is_tree = any(c.tree_parents is not None for c in chunks)
     fits_window = window is None or longest_context <= window
 
+    slots = _context_slots(chunks, block_size)
+    kv_range, kv_index = _context_source(slots, longest_context, device)
     if batch == 1 and not is_tree and fits_window:
         chunk = chunks[0]
         if chunk.num_cached == 0:  # a fresh prefill sees only itself: plain causal attention
-            return AttentionLayout(None, None, None, None, is_causal=chunk.num_new > 1)
+            return AttentionLayout(
+                1, chunk.num_new, None, None, None, None, None, is_causal=chunk.num_new > 1
+            )
         if chunk.num_new == 1:  # one decode token sees everything
-            return AttentionLayout(None, None, _kv_slots(chunks, block_size, device), None, False)
+            return AttentionLayout(1, longest_context, None, None, kv_range, kv_index, None, False)
 
     # General case: padded view with an explicit mask.
     num_cached = torch.tensor([c.num_cached for c in chunks])
@@ -170,32 +178,44 @@ def _layout(
         )  # (B, C)
         distance = query_positions[:, :, None] - key_positions[:, None, :]
         mask &= distance < window
-    query_is_real = (
-        torch.arange(longest_chunk)[None, :] < torch.tensor([c.num_new for c in chunks])[:, None]
-    )
+    query_is_real = torch.arange(longest_chunk)[None, :] < torch.tensor([c.num_new for c in chunks])[:, None]
     mask[:, :, 0] |= ~query_is_real  # padding rows see one key, so their softmax stays finite
 
-    as_long = {"dtype": torch.long, "device": device}
     return AttentionLayout(
+        batch_size=batch,
+        context_len=longest_context,
         query_index=query_index.to(device) if batch > 1 else None,
-        out_index=torch.tensor(out_index, **as_long) if batch > 1 else None,
-        kv_slots=_kv_slots(chunks, block_size, device),
+        out_index=torch.tensor(out_index, dtype=torch.long, device=device) if batch > 1 else None,
+        kv_range=kv_range,
+        kv_index=kv_index,
         mask=mask[:, None].to(device),
         is_causal=False,
     )
 
 
-def _kv_slots(
-    chunks: Sequence[SequenceChunk], block_size: int, device: torch.device | str
-) -> torch.Tensor:
-    """(B, C) cache slot of each logical index; padding repeats the sequence's first slot."""
-    longest_context = max(c.context_len for c in chunks)
-    rows = []
-    for chunk in chunks:
-        table = chunk.block_table
-        slots = [
-            table[index // block_size] * block_size + index % block_size
+def _context_slots(chunks: Sequence[SequenceChunk], block_size: int) -> list[list[int]]:
+    """Cache slot of every logical index of every sequence's context."""
+    return [
+        [
+            chunk.block_table[index // block_size] * block_size + index % block_size
             for index in range(chunk.context_len)
         ]
-        rows.append(slots + [slots[0]] * (longest_context - len(slots)))
-    return torch.tensor(rows, dtype=torch.long, device=device)
+        for chunk in chunks
+    ]
+
+
+def _context_source(
+    slots: list[list[int]], longest_context: int, device: torch.device | str
+) -> tuple[tuple[int, int] | None, torch.Tensor | None]:
+    """A slice when one sequence's slots are consecutive, else (B * C,) rows to gather.
+
+    Shorter contexts are padded with their first slot; the mask hides the padding.
+    """
+    if len(slots) == 1:
+        first = slots[0][0]
+        if slots[0][-1] - first == len(slots[0]) - 1 and slots[0] == list(
+            range(first, first + len(slots[0]))
+        ):
+            return (first, first + len(slots[0])), None
+    rows = [row + [row[0]] * (longest_context - len(row)) for row in slots]
+    return None, torch.tensor(rows, dtype=torch.long, device=device).view(-1)

@@ -121,9 +121,7 @@ class Generator:
                 batch = build_forward_batch(chunks, self.block_size, self.model.config)
                 logits = self.model.module(batch, self.cache)  # (R, V)
                 now = time.perf_counter()
-                sampling = [
-                    (i, s) for (i, s), c in zip(active, chunks, strict=True) if c.logits != "none"
-                ]
+                sampling = [(i, s) for (i, s), c in zip(active, chunks, strict=True) if c.logits != "none"]
                 for (_, s), chunk in zip(active, chunks, strict=True):
                     s.num_cached = chunk.context_len
                 tokens = sample_rows(logits, [s.sampler for _, s in sampling])

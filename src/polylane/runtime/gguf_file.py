@@ -48,7 +48,7 @@ class _Cursor:
         data = self.handle.read(n)
         if len(data) != n:
             raise GGUFFormatError(
-                f"header ends early at byte {self.handle.tell():,} of {self.size:,}"
+                f"truncated file: the header ends early, at byte {self.handle.tell():,} of {self.size:,}"
             )
         return data
 
@@ -58,13 +58,17 @@ class _Cursor:
     def string(self) -> str:
         length = self.unpack("<Q")
         if length > self.size:
-            raise GGUFFormatError(f"string length {length:,} exceeds the file size")
+            raise GGUFFormatError(
+                f"truncated or corrupt header: string length {length:,} exceeds the file size"
+            )
         return self.read(length).decode("utf-8", errors="replace")
 
     def skip_string(self) -> None:
         length = self.unpack("<Q")
         if length > self.size:
-            raise GGUFFormatError(f"string length {length:,} exceeds the file size")
+            raise GGUFFormatError(
+                f"truncated or corrupt header: string length {length:,} exceeds the file size"
+            )
         self.handle.seek(length, 1)
 
     def value(self, value_type: int) -> Any:
@@ -75,7 +79,9 @@ class _Cursor:
         if value_type == _ARRAY:
             item_type, count = self.unpack("<I"), self.unpack("<Q")
             if count > self.size:
-                raise GGUFFormatError(f"array length {count:,} exceeds the file size")
+                raise GGUFFormatError(
+                    f"truncated or corrupt header: array length {count:,} exceeds the file size"
+                )
             if count > _MAX_DECODED_ARRAY:
                 self.skip_array(item_type, count)
                 return SkippedArray(item_type, count)
@@ -119,7 +125,10 @@ class GGUFFile:
                 raise GGUFFormatError(f"unsupported GGUF version {version}")
             tensor_count, kv_count = cursor.unpack("<Q"), cursor.unpack("<Q")
             if tensor_count > size or kv_count > size:
-                raise GGUFFormatError("tensor or key counts exceed the file size")
+                raise GGUFFormatError(
+                    f"truncated or corrupt header: {tensor_count:,} tensors and {kv_count:,} keys "
+                    f"cannot fit in {size:,} bytes"
+                )
             self.metadata: dict[str, Any] = {}
             for _ in range(kv_count):
                 key = cursor.string()
@@ -150,9 +159,7 @@ class GGUFFile:
                     f"truncated file: tensor {name!r} ends at byte {start + num_bytes:,} "
                     f"but the file has {size:,} bytes"
                 )
-            self.tensors[name] = GGUFTensorInfo(
-                name, tuple(reversed(dims)), type_id, start, num_bytes
-            )
+            self.tensors[name] = GGUFTensorInfo(name, tuple(reversed(dims)), type_id, start, num_bytes)
         self._data = np.memmap(self.path, dtype=np.uint8, mode="r") if self.tensors else None
 
     def read(self, name: str) -> np.ndarray:

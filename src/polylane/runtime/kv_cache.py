@@ -15,7 +15,9 @@ from polylane.runtime.model_config import ModelConfig
 class PagedKVCache:
     """K and V for `num_blocks` blocks of `block_size` tokens, per layer.
 
-    keys[layer] and values[layer] have shape (num_blocks * block_size, num_kv_heads, head_dim).
+    keys[layer] and values[layer] have shape (num_blocks * block_size, num_kv_heads * head_dim):
+    one row per slot, so gathering a sequence's context is a row `index_select` (or a plain
+    slice when its slots are consecutive).
     """
 
     def __init__(
@@ -27,19 +29,13 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
     ) -> None:
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(
-                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
-            )
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
-        shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        self.keys = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)
-        ]
-        self.values = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)
-        ]
+        shape = (num_blocks * block_size, config.num_kv_heads * config.head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
 
     @property
     def num_slots(self) -> int:
@@ -49,9 +45,7 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
 
-    def write(
-        self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-    ) -> None:
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store new tokens' K/V (T, num_kv_heads, head_dim) at `slots` (T,)."""
-        self.keys[layer].index_copy_(0, slots, keys)
-        self.values[layer].index_copy_(0, slots, values)
+        self.keys[layer].index_copy_(0, slots, keys.reshape(keys.shape[0], -1))
+        self.values[layer].index_copy_(0, slots, values.reshape(values.shape[0], -1))

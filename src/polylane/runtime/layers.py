@@ -41,12 +41,9 @@ class RMSNorm(nn.Module):
 class RotaryTable:
     """cos/sin of rotate-half ("NeoX") RoPE for one base, grown on demand and indexed by position."""
 
-    def __init__(
-        self, head_dim: int, theta: float, dtype: torch.dtype, device: torch.device
-    ) -> None:
+    def __init__(self, head_dim: int, theta: float, dtype: torch.dtype, device: torch.device) -> None:
         self.inv_freq = 1.0 / (
-            theta
-            ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
         )
         self.dtype = dtype
         self.cos = torch.empty(0, head_dim, dtype=dtype, device=device)
@@ -134,18 +131,33 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q (T, H, D) attends per `layout`; returns (T, H, D)."""
-    if layout.kv_slots is None:  # fresh prefill: the chunk's own K/V are the whole context
-        keys, values = k_new.unsqueeze(0), v_new.unsqueeze(0)  # (1, T, Hkv, D)
-    else:
-        keys = cache.keys[layer][layout.kv_slots]  # (B, C, Hkv, D)
-        values = cache.values[layer][layout.kv_slots]
-    queries = (
-        q.unsqueeze(0) if layout.query_index is None else q[layout.query_index]
-    )  # (B, Q, H, D)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_new.shape[1]
+    batch, context = layout.batch_size, layout.context_len
+    if layout.kv_range is not None:
+        start, stop = layout.kv_range
+        keys, values = cache.keys[layer][start:stop], cache.values[layer][start:stop]
+    elif layout.kv_index is not None:
+        keys = cache.keys[layer].index_select(0, layout.kv_index)
+        values = cache.values[layer].index_select(0, layout.kv_index)
+    else:  # fresh prefill: the chunk's own K/V are the whole context
+        keys, values = k_new, v_new
+    keys = keys.view(batch, context, num_kv_heads, head_dim).transpose(1, 2)  # (B, Hkv, C, D)
+    values = values.view(batch, context, num_kv_heads, head_dim).transpose(1, 2)
+    queries = q if layout.query_index is None else q[layout.query_index]  # (B·Q, H, D)
+    if q.shape[0] == batch:
+        # One query per sequence: fold each KV head's query group into the query axis, so
+        # grouped-query attention needs no repeated K/V. (B, Hkv, G, D)
+        grouped = queries.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(
+            grouped, keys, values, attn_mask=layout.mask, scale=scale
+        )  # (B, Hkv, G, D)
+        return out.reshape(batch, num_heads, head_dim)
+    queries = queries.view(batch, -1, num_heads, head_dim).transpose(1, 2)  # (B, H, Q, D)
     out = F.scaled_dot_product_attention(
-        queries.transpose(1, 2),
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
+        queries,
+        keys,
+        values,
         attn_mask=layout.mask,
         is_causal=layout.is_causal,
         scale=scale,
@@ -153,7 +165,7 @@ def paged_attention(
     ).transpose(1, 2)  # (B, Q, H, D)
     if layout.out_index is None:
         return out[0]
-    return out.reshape(-1, *out.shape[2:])[layout.out_index]
+    return out.reshape(-1, num_heads, head_dim)[layout.out_index]
 
 
 class GatedMLP(nn.Module):

@@ -26,9 +26,7 @@ class LoadedModel:
     load_seconds: float
 
 
-def load_model(
-    name_or_path: str, dtype: str | torch.dtype = "fp32", quiet: bool = False
-) -> LoadedModel:
+def load_model(name_or_path: str, dtype: str | torch.dtype = "fp32", quiet: bool = False) -> LoadedModel:
     """Resolve (fetching a catalogue model on first use), read weights and tokenizer."""
     source = catalog.resolve(name_or_path, quiet=quiet)
     started = time.perf_counter()

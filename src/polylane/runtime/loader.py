@@ -72,9 +72,7 @@ def _open_gguf(path: Path) -> GGUFFile:
     except OSError as error:
         raise LoadError(f"{path}: cannot read ({error})") from None
     tokens = file.metadata.get("tokenizer.ggml.tokens")
-    file.metadata["__vocab_size"] = getattr(tokens, "length", None) or (
-        len(tokens) if tokens else None
-    )
+    file.metadata["__vocab_size"] = getattr(tokens, "length", None) or (len(tokens) if tokens else None)
     file.metadata["__has_output"] = "output.weight" in file.tensors
     if "general.architecture" not in file.metadata:
         raise LoadError(f"{path}: GGUF header has no general.architecture")
@@ -91,18 +89,14 @@ def _read_tensor(file: GGUFFile, name: str) -> np.ndarray:
         ) from None
 
 
-def _gguf_tensors(
-    file: GGUFFile, module: Any, config: ModelConfig
-) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_tensors(file: GGUFFile, module: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, float32 tensor) for every tensor the decoder needs."""
     top = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
     for gguf_name in file.tensors:
         stem, _, suffix = gguf_name.rpartition(".")
         if stem in top:
             hf_name = f"{top[stem]}.{suffix}"
-        elif (match := re.match(r"^blk\.(\d+)\.(\w+)$", stem)) and match[
-            2
-        ] in module.GGUF_LAYER_NAMES:
+        elif (match := re.match(r"^blk\.(\d+)\.(\w+)$", stem)) and match[2] in module.GGUF_LAYER_NAMES:
             hf_name = f"model.layers.{match[1]}.{module.GGUF_LAYER_NAMES[match[2]]}.{suffix}"
         else:
             continue  # tensors our decoder does not use (e.g. precomputed rope tables)
@@ -125,9 +119,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "fp32") -> LoadedWeig
         config = module.config_from_gguf(file.metadata)
     except (KeyError, ValueError, TypeError) as error:
         raise LoadError(f"{path}: incomplete {arch} header ({error})") from None
-    model = _build(
-        model_class, config, parse_dtype(dtype), _gguf_tensors(file, module, config), path
-    )
+    model = _build(model_class, config, parse_dtype(dtype), _gguf_tensors(file, module, config), path)
     return LoadedWeights(config, model, _parameter_bytes(model))
 
 
@@ -146,8 +138,7 @@ def load_hf_folder(path: str | Path, dtype: str | torch.dtype = "fp32") -> Loade
     arch = HF_MODEL_TYPES.get(str(model_type))
     if arch is None:
         raise LoadError(
-            f"{path}: model_type {model_type!r} is not supported "
-            f"(supported: {', '.join(HF_MODEL_TYPES)})"
+            f"{path}: model_type {model_type!r} is not supported (supported: {', '.join(HF_MODEL_TYPES)})"
         )
     model_class, module = ARCHITECTURES[arch]
     try:
@@ -260,9 +251,7 @@ def _build(
         filled[name] = filled.get(name, 0) + rows
     missing = sorted(n for n, p in parameters.items() if filled.get(n, 0) != p.shape[0])
     if missing:
-        shown = ", ".join(missing[:6]) + (
-            f" and {len(missing) - 6} more" if len(missing) > 6 else ""
-        )
+        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise LoadError(f"{path}: missing tensors for {shown}")
     model.make_rotary_tables(dtype, torch.device("cpu"))
     return model.eval()

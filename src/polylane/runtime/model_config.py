@@ -39,13 +39,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if len(self.layer_types) != self.num_layers:
-            raise ValueError(
-                f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
-            )
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads "
-                f"({self.num_kv_heads})"
+                f"num_heads ({self.num_heads}) is not a multiple of num_kv_heads ({self.num_kv_heads})"
             )
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("sliding layers need a sliding_window")

@@ -104,9 +104,7 @@ class RequestSampler:
 def sample_rows(logits: torch.Tensor, samplers: list[RequestSampler]) -> list[int]:
     """One token per row of a (R, V) batch of logits; row i is sampled by ``samplers[i]``."""
     if logits.dim() != 2 or logits.shape[0] != len(samplers):
-        raise ValueError(
-            f"expected logits of shape ({len(samplers)}, V), got {tuple(logits.shape)}"
-        )
+        raise ValueError(f"expected logits of shape ({len(samplers)}, V), got {tuple(logits.shape)}")
     if all(s.params.greedy for s in samplers):
         return logits.argmax(dim=-1).tolist()
     rows = logits.detach().to(device="cpu", dtype=torch.float32)

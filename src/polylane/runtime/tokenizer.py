@@ -58,9 +58,7 @@ class Tokenizer:
                 "this model has no chat template (it is a base model); send a plain prompt instead"
             )
         try:
-            text = self.backend.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
+            text = self.backend.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as error:
             raise ChatTemplateError(f"the model's chat template failed: {error}") from None
         # The template writes any BOS itself.

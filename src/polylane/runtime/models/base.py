@@ -26,16 +26,10 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            self.layer_class(config, index) for index in range(config.num_layers)
-        )
-        self.norm = RMSNorm(
-            config.hidden_size, config.rms_norm_eps, cast_before_weight=not self.gemma_norms
-        )
+        self.layers = nn.ModuleList(self.layer_class(config, index) for index in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, cast_before_weight=not self.gemma_norms)
         self.lm_head = (
-            None
-            if config.tie_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self._rotary: dict[str, RotaryTable] = {}
 

@@ -95,6 +95,13 @@ def config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
     )
 
 
+def _local_rope_theta(cfg: dict[str, Any]) -> float:
+    """Sliding layers' RoPE base: nested in transformers 5 configs, a flat key in version 4."""
+    if "sliding_attention" in (cfg.get("rope_parameters") or {}):
+        return float(rope_parameters(cfg, "sliding_attention")["rope_theta"])
+    return float(cfg.get("rope_local_base_freq", LOCAL_ROPE_THETA))
+
+
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     cfg = cfg.get("text_config", cfg)
     heads = int(cfg["num_attention_heads"])
@@ -117,8 +124,8 @@ def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         head_dim=int(cfg.get("head_dim", 256)),
         intermediate_size=int(cfg["intermediate_size"]),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope_parameters(cfg).get("rope_theta", 1_000_000.0)),
-        rope_local_theta=float(cfg.get("rope_local_base_freq", LOCAL_ROPE_THETA)),
+        rope_theta=float(rope_parameters(cfg, "full_attention")["rope_theta"]),
+        rope_local_theta=_local_rope_theta(cfg),
         max_context=int(cfg.get("max_position_embeddings", 32768)),
         layer_types=types,
         sliding_window=int(cfg.get("sliding_window", 512)),

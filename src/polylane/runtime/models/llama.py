@@ -90,9 +90,15 @@ def config_from_hf(cfg: dict[str, Any], **overrides: Any) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
-    """RoPE settings from either the transformers 5 (`rope_parameters`) or 4 layout."""
+def rope_parameters(cfg: dict[str, Any], layer_kind: str | None = None) -> dict[str, Any]:
+    """RoPE settings from the transformers 5 (`rope_parameters`) or 4 (`rope_theta`) layout.
+
+    Models with per-layer-type RoPE (Gemma 3) nest them: {"full_attention": {...},
+    "sliding_attention": {...}}; `layer_kind` picks one.
+    """
     params = dict(cfg.get("rope_parameters") or {})
+    if layer_kind is not None and isinstance(params.get(layer_kind), dict):
+        params = dict(params[layer_kind])
     scaling = cfg.get("rope_scaling") or {}
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")

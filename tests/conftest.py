@@ -1,0 +1,52 @@
+"""Shared fixtures: real models fetched once per machine, loaded once per test session."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+
+from polylane import catalog
+
+RUN_SLOW = os.environ.get("POLYLANE_SLOW") == "1"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if RUN_SLOW:
+        return
+    skip = pytest.mark.skip(reason="slow real-model test: run with POLYLANE_SLOW=1")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+def fetch_or_skip(name: str) -> catalog.ModelSource:
+    """The real model's files, fetched on first use; skip (visibly) only if fetching is impossible."""
+    try:
+        return catalog.resolve(name, quiet=True)
+    except catalog.FetchError as error:
+        pytest.skip(f"cannot fetch real model {name}: {error}")
+
+
+_LOADED: dict[tuple[str, str], object] = {}
+
+
+@pytest.fixture(scope="session")
+def load_real_model() -> Callable[..., object]:
+    """load_real_model(name, dtype="fp32") → LoadedModel, shared by every test of the session."""
+    from polylane.runtime.loaded_model import load_model
+
+    def load(name: str, dtype: str = "fp32"):
+        key = (name, dtype)
+        if key not in _LOADED:
+            fetch_or_skip(name)
+            _LOADED[key] = load_model(name, dtype, quiet=True)
+        return _LOADED[key]
+
+    return load
+
+
+def unload_real_model(name: str, dtype: str = "fp32") -> None:
+    """Drop a session-loaded model once the tests that need it are done (memory)."""
+    _LOADED.pop((name, dtype), None)
