@@ -196,7 +196,7 @@ def _prefill_then_decode(weights: LoadedWeights, prompt: torch.Tensor) -> torch.
 
 
 def _dtype(weights: LoadedWeights) -> torch.dtype:
-    return weights.model.embed_tokens.weight.dtype
+    return weights.model.weight_dtype
 
 
 @pytest.mark.parametrize("arch", ALL)

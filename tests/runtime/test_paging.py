@@ -12,7 +12,7 @@ import torch
 from polylane.runtime.generate import GenerationOutput, GenerationRequest, Generator
 from polylane.types import SamplingParams
 
-NEW_TOKENS = 24
+NEW_TOKENS = 16
 TOLERANCE = 1e-4
 
 PROMPTS = [
@@ -62,6 +62,8 @@ def model_and_reference(request, load_real_model):
 @pytest.mark.parametrize("block_size", [1, 5, 64])
 def test_block_size_does_not_matter(model_and_reference, block_size):
     model, alone = model_and_reference
+    if model.config.has_sliding_layers and block_size != 5:
+        pytest.skip("block sizes 1 and 64 run on SmolLM2 only (Gemma 3 pays a 262k-vocab head per step)")
     for index, request in enumerate(_requests(model, PROMPTS)):
         generator = Generator(model, num_blocks=-(-128 // block_size), block_size=block_size)
         _scramble_free_list(generator, seed=block_size)

@@ -69,6 +69,57 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def _cpu_has_bf16_matrix_units() -> bool:
+    return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+
+
+# On CPUs without bf16 matrix instructions (AVX2-only x86, e.g. the AMD EPYC machines we develop
+# on), a bf16 GEMM runs 4-6x slower than a float32 one; from this many rows on, converting the
+# weight to float32 costs less than it saves (measured: 8 rows 1.5x faster, 512 rows 6.5x).
+BF16_UPCAST_MIN_ROWS = 8
+_UPCAST_BF16 = not _cpu_has_bf16_matrix_units()
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, input_major: bool
+) -> torch.Tensor:
+    """x (M, K) times a weight stored (K, N) when `input_major`, else (N, K); plus bias."""
+    if input_major:
+        return x @ weight if bias is None else torch.addmm(bias, x, weight)
+    if (
+        _UPCAST_BF16
+        and weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and x.shape[0] >= BF16_UPCAST_MIN_ROWS
+    ):
+        bias32 = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), bias32).to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+class Projection(nn.Module):
+    """A linear layer whose weight layout is chosen for the kernel that runs it fastest.
+
+    Weights load in the (out, in) layout of the files. `prepare()` then stores float32 weights
+    transposed, (in, out): on CPU, MKL's one-row matmul streams that layout 1.6x faster
+    (measured on SmolLM2's shapes), and one-row matmuls are the whole of batch-1 decode.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.input_major = False
+
+    def prepare(self) -> None:
+        if self.weight.dtype == torch.float32 and not self.input_major:
+            self.weight = nn.Parameter(self.weight.t().contiguous(), requires_grad=False)
+            self.input_major = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.input_major)
+
+
 class ForwardContext:
     """Per-forward state every layer reads: the batch layout, RoPE angles and the KV cache."""
 
@@ -95,8 +146,8 @@ class PagedAttention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.attention_scale or config.head_dim**-0.5
         qkv_size = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, qkv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+        self.qkv_proj = Projection(config.hidden_size, qkv_size, bias=config.qkv_bias)
+        self.o_proj = Projection(config.num_heads * config.head_dim, config.hidden_size)
         self.q_norm = self.k_norm = None
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, cast_before_weight=False)
@@ -174,8 +225,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Projection(hidden_size, 2 * intermediate_size)
+        self.down_proj = Projection(intermediate_size, hidden_size)
         if activation == "silu":
             self.act = F.silu
         elif activation == "gelu_tanh":

@@ -253,7 +253,7 @@ def _build(
     if missing:
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise LoadError(f"{path}: missing tensors for {shown}")
-    model.make_rotary_tables(dtype, torch.device("cpu"))
+    model.prepare()
     return model.eval()
 
 

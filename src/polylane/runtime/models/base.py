@@ -7,12 +7,11 @@ single forward entry point over a flat batch (`forward(batch, kv_cache)`).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from polylane.runtime.batch import ForwardBatch
 from polylane.runtime.kv_cache import PagedKVCache
-from polylane.runtime.layers import ForwardContext, RMSNorm, RotaryTable
+from polylane.runtime.layers import ForwardContext, Projection, RMSNorm, RotaryTable, linear
 from polylane.runtime.model_config import GLOBAL, SLIDING, ModelConfig
 
 
@@ -29,9 +28,37 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(config, index) for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, cast_before_weight=not self.gemma_norms)
         self.lm_head = (
-            None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            None if config.tie_embeddings else Projection(config.hidden_size, config.vocab_size)
         )
+        # Tied float32 embeddings are kept once, (hidden, vocab), the fast layout for the
+        # output projection; token lookup then reads columns (see `prepare`).
+        self.vocab_columns: nn.Parameter | None = None
+        self.weight_dtype = torch.float32
         self._rotary: dict[str, RotaryTable] = {}
+
+    def prepare(self) -> None:
+        """Put weights in their run-time layout and build the RoPE tables (after loading)."""
+        for module in self.modules():
+            if isinstance(module, Projection):
+                module.prepare()
+        embedding = self.embed_tokens.weight
+        self.weight_dtype = embedding.dtype
+        if self.lm_head is None and embedding.dtype == torch.float32:
+            self.vocab_columns = nn.Parameter(embedding.t().contiguous(), requires_grad=False)
+            self.embed_tokens = None
+        self.make_rotary_tables(embedding.dtype, embedding.device)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.vocab_columns is not None:
+            return self.vocab_columns.index_select(1, token_ids).t()  # (T, E)
+        return self.embed_tokens(token_ids)
+
+    def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.vocab_columns is not None:
+            return linear(hidden, self.vocab_columns, None, input_major=True)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        return linear(hidden, self.embed_tokens.weight, None, input_major=False)
 
     def make_rotary_tables(self, dtype: torch.dtype, device: torch.device) -> None:
         """Build the RoPE tables once weights are in place (call after loading)."""
@@ -44,7 +71,7 @@ class DecoderModel(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """Run the batch's new tokens, write their K/V, return float32 logits (R, vocab)."""
-        hidden = self.embed_tokens(batch.token_ids)  # (T, E)
+        hidden = self.embed(batch.token_ids)  # (T, E)
         if self.config.embedding_scale != 1.0:
             hidden = hidden * torch.tensor(self.config.embedding_scale, dtype=hidden.dtype)
         rotary = {kind: table.lookup(batch.positions) for kind, table in self._rotary.items()}
@@ -52,8 +79,7 @@ class DecoderModel(nn.Module):
         for layer in self.layers:
             hidden = layer(hidden, context)
         hidden = self.norm(hidden[batch.logit_rows])  # (R, E)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()  # (R, V)
+        logits = self.output_logits(hidden).float()  # (R, V)
         if self.config.final_logit_softcap:
             cap = self.config.final_logit_softcap
             logits = torch.tanh(logits / cap) * cap
