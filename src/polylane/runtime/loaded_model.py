@@ -30,7 +30,7 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "fp32", quiet: bool
     """Resolve (fetching a catalogue model on first use), read weights and tokenizer."""
     source = catalog.resolve(name_or_path, quiet=quiet)
     started = time.perf_counter()
-    weights = load_weights(source.path, source.format, dtype)
+    weights = load_weights(source.path, source.format, dtype, progress=not quiet)
     tokenizer = load_tokenizer(source)
     return LoadedModel(
         name=source.name,

@@ -19,8 +19,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from polylane.runtime.gguf_file import GGUFFile, GGUFFormatError
+from polylane.runtime.layers import interleave_rotary_rows
 from polylane.runtime.model_config import ModelConfig
 from polylane.runtime.models import ARCHITECTURES, HF_MODEL_TYPES
 from polylane.runtime.models.base import DecoderModel
@@ -89,10 +91,19 @@ def _read_tensor(file: GGUFFile, name: str) -> np.ndarray:
         ) from None
 
 
-def _gguf_tensors(file: GGUFFile, module: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_tensors(
+    file: GGUFFile, module: Any, config: ModelConfig, progress: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (Hugging Face name, float32 tensor) for every tensor the decoder needs."""
     top = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-    for gguf_name in file.tensors:
+    names = tqdm(
+        file.tensors,
+        desc=f"loading {file.path.name}",
+        unit="tensor",
+        disable=not progress,
+        leave=False,
+    )
+    for gguf_name in names:
         stem, _, suffix = gguf_name.rpartition(".")
         if stem in top:
             hf_name = f"{top[stem]}.{suffix}"
@@ -106,7 +117,8 @@ def _gguf_tensors(file: GGUFFile, module: Any, config: ModelConfig) -> Iterator[
         yield hf_name, torch.from_numpy(array)
 
 
-def load_gguf(path: str | Path, dtype: str | torch.dtype = "fp32") -> LoadedWeights:
+def load_gguf(path: str | Path, dtype: str | torch.dtype = "fp32", progress: bool = False) -> LoadedWeights:
+    """Dequantise a GGUF file into our decoder; `progress` shows a bar on stderr."""
     path = Path(path)
     file = _open_gguf(path)
     arch = str(file.metadata["general.architecture"])
@@ -119,7 +131,8 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "fp32") -> LoadedWeig
         config = module.config_from_gguf(file.metadata)
     except (KeyError, ValueError, TypeError) as error:
         raise LoadError(f"{path}: incomplete {arch} header ({error})") from None
-    model = _build(model_class, config, parse_dtype(dtype), _gguf_tensors(file, module, config), path)
+    tensors = _gguf_tensors(file, module, config, progress)
+    model = _build(model_class, config, parse_dtype(dtype), tensors, path)
     return LoadedWeights(config, model, _parameter_bytes(model))
 
 
@@ -169,9 +182,11 @@ def load_hf_folder(path: str | Path, dtype: str | torch.dtype = "fp32") -> Loade
     return LoadedWeights(config, model, _parameter_bytes(model))
 
 
-def load_weights(path: str | Path, format: str, dtype: str | torch.dtype = "fp32") -> LoadedWeights:
+def load_weights(
+    path: str | Path, format: str, dtype: str | torch.dtype = "fp32", progress: bool = False
+) -> LoadedWeights:
     if format == "gguf":
-        return load_gguf(path, dtype)
+        return load_gguf(path, dtype, progress)
     if format == "hf":
         return load_hf_folder(path, dtype)
     raise ValueError(f"unknown model format {format!r}")
@@ -216,6 +231,7 @@ def _build(
 ) -> DecoderModel:
     with torch.device("meta"):
         model = model_class(config)
+        transposed = model.choose_layouts(dtype)  # filled column-wise: (in, out) layouts
     # Gemma-style norms keep float32 weights (they multiply in float32); the rest takes `dtype`.
     float32_names: set[str] = set()
     for module_name, module in model.named_modules():
@@ -229,32 +245,55 @@ def _build(
             empty = torch.empty(parameter.shape, dtype=torch.float32 if keep_float32 else dtype)
             module._parameters[name] = torch.nn.Parameter(empty, requires_grad=False)
     parameters = dict(model.named_parameters())
-    filled: dict[str, int] = {}  # parameter → rows written
+
+    def logical_rows(name: str) -> int:
+        parameter = parameters[name]
+        return parameter.shape[1] if name in transposed else parameter.shape[0]
+
+    filled: dict[str, int] = {}  # parameter → logical (out) rows written
     for hf_name, tensor in tensors:
         destination = _destination(hf_name, config)
         if destination is None:
             continue
         name, offset = destination
+        if name == "embed_tokens.weight" and "vocab_columns" in transposed:
+            name = "vocab_columns"
         parameter = parameters.get(name)
         if parameter is None:
             continue
+        tensor = _to_runtime_order(hf_name, tensor, config)
         if name in float32_names:
             tensor = tensor + 1  # Gemma's 1 + w, folded once here
         rows = tensor.shape[0]
-        expected = parameter.shape[1:] if parameter.dim() > 1 else ()
-        if offset + rows > parameter.shape[0] or tuple(tensor.shape[1:]) != tuple(expected):
+        expected = (parameter.shape[0],) if name in transposed else tuple(parameter.shape[1:])
+        if offset + rows > logical_rows(name) or tuple(tensor.shape[1:]) != expected:
             raise LoadError(
                 f"{path}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, which does not fit "
                 f"{name} {tuple(parameter.shape)} at row {offset}"
             )
-        parameter.data[offset : offset + rows] = tensor.to(parameter.dtype)
+        if name in transposed:
+            parameter.data[:, offset : offset + rows] = tensor.t().to(parameter.dtype)
+        else:
+            parameter.data[offset : offset + rows] = tensor.to(parameter.dtype)
         filled[name] = filled.get(name, 0) + rows
-    missing = sorted(n for n, p in parameters.items() if filled.get(n, 0) != p.shape[0])
+    missing = sorted(n for n in parameters if filled.get(n, 0) != logical_rows(n))
     if missing:
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise LoadError(f"{path}: missing tensors for {shown}")
     model.prepare()
     return model.eval()
+
+
+def _to_runtime_order(hf_name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Q/K rows (and QK-norm weights) into interleaved rotary pairs (see `RotaryTable`)."""
+    module_name = hf_name.rpartition(".")[0]
+    if module_name.endswith("self_attn.q_proj"):
+        return interleave_rotary_rows(tensor, config.num_heads)
+    if module_name.endswith("self_attn.k_proj"):
+        return interleave_rotary_rows(tensor, config.num_kv_heads)
+    if module_name.endswith(("self_attn.q_norm", "self_attn.k_norm")):
+        return interleave_rotary_rows(tensor, 1)
+    return tensor
 
 
 def _parameter_bytes(model: DecoderModel) -> int:

@@ -27,26 +27,43 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.layer_class(config, index) for index in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, cast_before_weight=not self.gemma_norms)
-        self.lm_head = (
-            None if config.tie_embeddings else Projection(config.hidden_size, config.vocab_size)
-        )
+        self.lm_head = None if config.tie_embeddings else Projection(config.hidden_size, config.vocab_size)
         # Tied float32 embeddings are kept once, (hidden, vocab), the fast layout for the
         # output projection; token lookup then reads columns (see `prepare`).
         self.vocab_columns: nn.Parameter | None = None
         self.weight_dtype = torch.float32
         self._rotary: dict[str, RotaryTable] = {}
 
-    def prepare(self) -> None:
-        """Put weights in their run-time layout and build the RoPE tables (after loading)."""
-        for module in self.modules():
-            if isinstance(module, Projection):
-                module.prepare()
-        embedding = self.embed_tokens.weight
-        self.weight_dtype = embedding.dtype
-        if self.lm_head is None and embedding.dtype == torch.float32:
-            self.vocab_columns = nn.Parameter(embedding.t().contiguous(), requires_grad=False)
+    def choose_layouts(self, dtype: torch.dtype) -> set[str]:
+        """Decide run-time weight layouts before loading (on the meta device).
+
+        float32: widening projections store their weight (in, out) (see `Projection`), and tied
+        embeddings are kept once as `vocab_columns` (hidden, vocab), the fast layout for the
+        output projection; token lookup then reads columns. Returns the names of the parameters
+        stored transposed, which the loader fills column-wise.
+        """
+        self.weight_dtype = dtype
+        transposed: set[str] = set()
+        if dtype != torch.float32:
+            return transposed
+        for name, module in self.named_modules():
+            if isinstance(module, Projection) and module.prefers_input_major:
+                module.use_input_major_layout()
+                transposed.add(f"{name}.weight")
+        if self.lm_head is None:
+            shape = (self.config.hidden_size, self.config.vocab_size)
+            self.vocab_columns = nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
             self.embed_tokens = None
-        self.make_rotary_tables(embedding.dtype, embedding.device)
+            transposed.add("vocab_columns")
+        return transposed
+
+    def prepare(self) -> None:
+        """Build the RoPE tables (after loading)."""
+        config, device = self.config, self.norm.weight.device
+        self._rotary = {GLOBAL: RotaryTable(config.head_dim, config.rope_theta, device)}
+        if config.has_sliding_layers:
+            local_theta = config.rope_local_theta or config.rope_theta
+            self._rotary[SLIDING] = RotaryTable(config.head_dim, local_theta, device)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.vocab_columns is not None:
@@ -59,14 +76,6 @@ class DecoderModel(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden)
         return linear(hidden, self.embed_tokens.weight, None, input_major=False)
-
-    def make_rotary_tables(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Build the RoPE tables once weights are in place (call after loading)."""
-        config = self.config
-        self._rotary = {GLOBAL: RotaryTable(config.head_dim, config.rope_theta, dtype, device)}
-        if config.has_sliding_layers:
-            local_theta = config.rope_local_theta or config.rope_theta
-            self._rotary[SLIDING] = RotaryTable(config.head_dim, local_theta, dtype, device)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
