@@ -63,18 +63,10 @@ def _model_and_reference(load_real_model, name: str):
     return model, _ALONE[name]
 
 
-# Gemma 3 pays a 262k-vocabulary output projection per step, so it runs one block size.
-@pytest.mark.parametrize(
-    "name, block_size",
-    [
-        ("smollm2-135m-instruct", 1),
-        ("smollm2-135m-instruct", 5),
-        ("smollm2-135m-instruct", 64),
-        ("gemma3-270m", 5),
-    ],
-)
-def test_block_size_does_not_matter(load_real_model, name, block_size):
-    model, alone = _model_and_reference(load_real_model, name)
+# Gemma 3 (262k-vocabulary head per step) is paged with block size 4 and 3 in the tests below.
+@pytest.mark.parametrize("block_size", [1, 5, 64])
+def test_block_size_does_not_matter(load_real_model, block_size):
+    model, alone = _model_and_reference(load_real_model, "smollm2-135m-instruct")
     for index, request in enumerate(_requests(model, PROMPTS)):
         generator = Generator(model, num_blocks=-(-128 // block_size), block_size=block_size)
         _scramble_free_list(generator, seed=block_size)
