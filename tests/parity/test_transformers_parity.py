@@ -134,6 +134,7 @@ def test_last_position_logits_match(model_pair):
             f"top-1 {int(mine.argmax())} vs {int(theirs.argmax())}, "
             f"top-5 overlap {len(top5_mine & top5_theirs)}/5"
         )
+        print(message)  # shown with `pytest -rP`: the numbers behind a pass
         assert max_abs < MAX_ABS_TOLERANCE, message
         assert int(mine.argmax()) == int(theirs.argmax()), message
         assert top5_mine == top5_theirs, message
