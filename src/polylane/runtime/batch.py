@@ -12,7 +12,8 @@ It decides nothing about which sequences run; the scheduler does that.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -110,8 +111,16 @@ def build_forward_batch(
 
     as_long = {"dtype": torch.long, "device": device}
     layer_types = (GLOBAL, SLIDING) if config.has_sliding_layers else (GLOBAL,)
+    longest_context = max(c.context_len for c in chunks)
+
+    @functools.cache
+    def context_source() -> tuple[tuple[int, int] | None, torch.Tensor | None]:
+        # Shared by both layer kinds, and skipped by a fresh prefill that reads no cache.
+        return _context_source(_context_slots(chunks, block_size), longest_context, device)
+
     layouts = {
-        kind: _layout(chunks, block_size, positions, kind == SLIDING, config, device) for kind in layer_types
+        kind: _layout(chunks, positions, kind == SLIDING, config, context_source, device)
+        for kind in layer_types
     }
     return ForwardBatch(
         token_ids=torch.tensor(token_ids, **as_long),
@@ -125,10 +134,10 @@ def build_forward_batch(
 
 def _layout(
     chunks: Sequence[SequenceChunk],
-    block_size: int,
     flat_positions: list[int],
     sliding: bool,
     config: ModelConfig,
+    context_source: Callable[[], tuple[tuple[int, int] | None, torch.Tensor | None]],
     device: torch.device | str,
 ) -> AttentionLayout:
     window = config.sliding_window if sliding else None
@@ -138,14 +147,13 @@ def _layout(
     is_tree = any(c.tree_parents is not None for c in chunks)
     fits_window = window is None or longest_context <= window
 
-    slots = _context_slots(chunks, block_size)
-    kv_range, kv_index = _context_source(slots, longest_context, device)
+    if batch == 1 and not is_tree and fits_window and chunks[0].num_cached == 0:
+        # A fresh prefill sees only itself: plain causal attention over its own K/V.
+        chunk = chunks[0]
+        return AttentionLayout(1, chunk.num_new, None, None, None, None, None, is_causal=chunk.num_new > 1)
+    kv_range, kv_index = context_source()
     if batch == 1 and not is_tree and fits_window:
         chunk = chunks[0]
-        if chunk.num_cached == 0:  # a fresh prefill sees only itself: plain causal attention
-            return AttentionLayout(
-                1, chunk.num_new, None, None, None, None, None, is_causal=chunk.num_new > 1
-            )
         if chunk.num_new == 1:  # one decode token sees everything
             return AttentionLayout(1, longest_context, None, None, kv_range, kv_index, None, False)
 

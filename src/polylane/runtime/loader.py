@@ -39,7 +39,6 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 
-# Fused destinations: (our parameter, row offset in units of the config field named).
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
