@@ -53,7 +53,6 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # (T,) cache slot each new token's K/V is written to
     logit_rows: torch.Tensor  # (R,) rows of the flat batch whose logits are returned
     layouts: dict[str, AttentionLayout]  # by layer type
-    num_rows_per_chunk: list[int]  # how many logit rows each chunk contributes, in order
 
 
 def _tree_depths(parents: Sequence[int]) -> list[int]:
@@ -89,7 +88,6 @@ def build_forward_batch(
     positions: list[int] = []
     slot_mapping: list[int] = []
     logit_rows: list[int] = []
-    num_rows_per_chunk: list[int] = []
     for chunk in chunks:
         start = len(token_ids)
         if chunk.context_len > len(chunk.block_table) * block_size:
@@ -107,7 +105,6 @@ def build_forward_batch(
             slot_mapping.append(chunk.block_table[block] * block_size + offset)
         rows = {"none": [], "last": [len(token_ids) - 1], "all": range(start, len(token_ids))}
         logit_rows.extend(rows[chunk.logits])
-        num_rows_per_chunk.append(len(rows[chunk.logits]))
 
     as_long = {"dtype": torch.long, "device": device}
     layer_types = (GLOBAL, SLIDING) if config.has_sliding_layers else (GLOBAL,)
@@ -128,7 +125,6 @@ def build_forward_batch(
         slot_mapping=torch.tensor(slot_mapping, **as_long),
         logit_rows=torch.tensor(logit_rows, **as_long),
         layouts=layouts,
-        num_rows_per_chunk=num_rows_per_chunk,
     )
 
 
