@@ -217,7 +217,7 @@ class PolylaneRunner:
         )
         started = time.perf_counter()
         batch = build_forward_batch([chunk], BLOCK_SIZE, self.model.config)
-        logits = self.model.module(batch, self.generator.cache)  # (1, V)
+        logits = self.model.module(batch, self.generator.kv.cache)  # (1, V)
         elapsed = time.perf_counter() - started
         assert logits.shape[0] == 1
         return elapsed

@@ -94,6 +94,48 @@ def test_match_ending_inside_a_block_returns_only_full_blocks() -> None:
     tree.validate()
 
 
+def test_partial_match_goes_into_one_more_block_and_leases_it() -> None:
+    pool, tree = make_tree()
+    blocks, _ = insert_fresh(pool, tree, toks(1, 2, 3))  # one edge of three blocks
+    prompt = [*toks(1, 2, 3)[:10], 777]  # two blocks, two tokens of the third, then a new token
+    match = tree.match(prompt, partial=True)
+    assert match.num_tokens == 10, f"matched {match.num_tokens}, expected 8 whole + 2 of block 3"
+    assert match.blocks == tuple(blocks), f"{match.blocks}, expected {blocks} (the third in part)"
+    assert refs(pool, blocks) == [2, 2, 2], f"refs {refs(pool, blocks)}: the caller shares all three"
+    assert tree.evict(100) == 0, "a block read in part must be leased like the rest"
+    assert tree.stats.matched_tokens == 10, f"{tree.stats}"
+    tree.release(match)
+    pool.free(match.blocks)
+    assert tree.evict(100) == 3 and pool.num_free == 16, f"{tree.stats}, {pool.num_free} free"
+    tree.validate()
+
+
+def test_partial_match_splits_a_long_edge_after_the_partial_block() -> None:
+    pool, tree = make_tree()
+    blocks, _ = insert_fresh(pool, tree, toks(1, 2, 3))  # one edge of three blocks
+    match = tree.match(toks(1)[:3], partial=True)  # ends inside the very first block
+    assert match.num_tokens == 3 and match.blocks == (blocks[0],), f"{match}"
+    assert tree.evict(100) == 2, f"{tree.stats}: the blocks past the leased first one may go"
+    assert refs(pool, blocks[:1]) == [2], f"refs {refs(pool, blocks[:1])}: tree and caller hold block 1"
+    tree.release(match)
+    pool.free(match.blocks)
+    tree.validate()
+
+
+def test_partial_match_picks_the_child_sharing_most_tokens() -> None:
+    pool, tree = make_tree()
+    insert_fresh(pool, tree, [1, 2, 8, 9])
+    second, _ = insert_fresh(pool, tree, [1, 2, 3, 9])
+    match = tree.match([1, 2, 3, 4], partial=True)
+    assert match.num_tokens == 3 and match.blocks == (second[0],), f"{match}, expected 3 tokens of {second}"
+    miss = tree.match([5, 6, 7], partial=True)
+    assert miss.num_tokens == 0 and miss.blocks == (), f"{miss}"
+    for lease in (match, miss):
+        tree.release(lease)
+        pool.free(lease.blocks)
+    tree.validate()
+
+
 def test_match_inside_an_edge_splits_it_at_the_block_boundary() -> None:
     pool, tree = make_tree()
     blocks, _ = insert_fresh(pool, tree, toks(1, 2, 3))  # one edge of three blocks

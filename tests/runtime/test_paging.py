@@ -37,7 +37,7 @@ def _requests(model, prompts, start_steps=None) -> list[GenerationRequest]:
 
 def _scramble_free_list(generator: Generator, seed: int) -> None:
     """Hand out blocks in a random order, so no sequence gets consecutive blocks."""
-    pool = generator.pool
+    pool = generator.kv.pool
     blocks = pool.allocate(pool.num_free)
     random.Random(seed).shuffle(blocks)
     pool.free(blocks)
@@ -83,7 +83,7 @@ def test_interleaved_batch_matches_running_alone(load_real_model, name):
     outputs = generator.generate(_requests(model, PROMPTS, start_steps=[0, 3, 9]), record_logits=True)
     for index, output in enumerate(outputs):
         _compare(f"{model.name} prompt {index} interleaved", output, alone[index])
-    assert generator.pool.num_free == generator.pool.num_blocks, "blocks leaked"
+    assert generator.kv.pool.num_free == generator.kv.pool.num_blocks, "blocks leaked"
 
 
 def test_sliding_window_under_paging(load_real_model):

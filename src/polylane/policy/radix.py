@@ -6,9 +6,11 @@ the LRU clock, and hit statistics. What it does not own: the KV bytes (the runti
 the blocks of running sequences (their block tables, in the scheduler), and the pool itself.
 
 Keys are whole blocks. An edge holds a token tuple whose length is a multiple of
-`pool.block_size` and one block id per `block_size` tokens; a partial last block is never cached
-and never matched. The root holds nothing. One tree serves one model's pool: `namespace` names
-that model (recorded and reported only, for now).
+`pool.block_size` and one block id per `block_size` tokens; a partial last block is never cached.
+A match is whole blocks, and with `match(..., partial=True)` it may go on into the first tokens of
+one more cached block (the caller then reads that block's leading slots and, before writing into
+it, copies it: copy-on-write, see `policy.sequence_blocks`). The root holds nothing. One tree
+serves one model's pool: `namespace` names that model (recorded and reported only, for now).
 
 Ownership rules, for a caller that is the scheduler of one model:
 
@@ -45,10 +47,11 @@ from polylane.policy.blocks import BlockPool
 class PrefixMatch:
     """The longest cached prefix of a lookup, and the lease that holds it.
 
-    `num_tokens` is a multiple of the block size: a match that would end inside a block stops at
-    the block boundary before it, and the caller recomputes the partial tail. The caller owns one
-    pool reference to each of `blocks` (free them with `pool.free`) and must `release` the match
-    exactly once.
+    Without `partial`, `num_tokens` is a multiple of the block size: a match that would end inside
+    a block stops at the block boundary before it. With it, the last of `blocks` may be used only
+    in part (its first `num_tokens % block_size` slots; it is shared, so the caller copies it before
+    writing). The caller owns one pool reference to each of `blocks` (free them with `pool.free`)
+    and must `release` the match exactly once.
     """
 
     num_tokens: int
@@ -168,8 +171,9 @@ class PrefixTree:
 
     # ------------------------------------------------------------------ match / release
 
-    def match(self, token_ids: Sequence[int]) -> PrefixMatch:
-        """Lease the longest cached prefix of `token_ids`, in whole blocks.
+    def match(self, token_ids: Sequence[int], partial: bool = False) -> PrefixMatch:
+        """Lease the longest cached prefix of `token_ids`: whole blocks, and with `partial` the
+        leading tokens of one more block (the cached block sharing most of the next tokens).
 
         The caller receives one pool reference per returned block and a lock on the matched nodes;
         see the module docstring. A match ending inside an edge splits the edge at that block
@@ -184,6 +188,15 @@ class PrefixTree:
             node = self._split(child, common_blocks)
             path.append(node)
             num_tokens += common_blocks * self.block_size
+        if partial:
+            tail = tuple(token_ids[num_tokens : num_tokens + self.block_size])
+            partial_child, common_tokens = self._best_partial_child(node, tail)
+            if partial_child is not None:
+                if len(partial_child.blocks) > 1:
+                    partial_child = self._split(partial_child, 1)
+                node = partial_child
+                path.append(node)
+                num_tokens += common_tokens
         blocks = tuple(block for path_node in path for block in path_node.blocks)
         for path_node in path:
             path_node.last_access = self._clock
@@ -380,6 +393,19 @@ class PrefixTree:
             node, position = child, position + len(child.tokens)
             path.append(child)
         return node, position, None, 0, path
+
+    def _best_partial_child(self, node: _Node, tail: tuple[int, ...]) -> tuple[_Node | None, int]:
+        """The child of `node` whose first block shares the most leading tokens with `tail`
+        (at least one; fewer than a whole block, or the whole-block descent would have taken it),
+        and how many; (None, 0) if none shares any."""
+        best, best_common = None, 0
+        for child in sorted(node.children.values(), key=lambda c: c.serial):
+            common = 0
+            while common < len(tail) and child.tokens[common] == tail[common]:
+                common += 1
+            if common > best_common:  # ties go to the older child (children iterate by age)
+                best, best_common = child, common
+        return (best, best_common) if best_common > 0 else (None, 0)
 
     def _split(self, child: _Node, num_blocks: int) -> _Node:
         """Cut `child`'s edge after `num_blocks` blocks; return the new upper node.

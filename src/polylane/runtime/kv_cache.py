@@ -7,8 +7,11 @@ stores bytes and reads or writes them by slot index. It never decides anything.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from polylane.policy.sequence_blocks import BlockCopy, SlotMove
 from polylane.runtime.model_config import ModelConfig
 
 
@@ -49,3 +52,26 @@ class PagedKVCache:
         """Store new tokens' K/V (T, num_kv_heads, head_dim) at `slots` (T,)."""
         self.keys[layer].index_copy_(0, slots, keys.reshape(keys.shape[0], -1))
         self.values[layer].index_copy_(0, slots, values.reshape(values.shape[0], -1))
+
+    def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
+        """Copy whole blocks (copy-on-write), every layer; sources are read before any write."""
+        if not copies:
+            return
+        size = self.block_size
+        offsets = torch.arange(size)
+        sources = torch.tensor([c.source for c in copies])[:, None] * size + offsets
+        targets = torch.tensor([c.target for c in copies])[:, None] * size + offsets
+        self._copy_slots(sources.flatten(), targets.flatten())
+
+    def move_slots(self, moves: Sequence[SlotMove]) -> None:
+        """Apply tree-compaction moves in order (a target is never a later move's source)."""
+        if moves:
+            self._copy_slots(
+                torch.tensor([m.source for m in moves]), torch.tensor([m.target for m in moves])
+            )
+
+    def _copy_slots(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
+        device = self.keys[0].device
+        sources, targets = sources.to(device), targets.to(device)
+        for cache in (*self.keys, *self.values):
+            cache.index_copy_(0, targets, cache.index_select(0, sources))
