@@ -231,6 +231,10 @@ class ResidencyPool:
     def pinned_bytes(self) -> int:
         return sum(m.bytes for m in self._models.values() if m.state != COLD and m.pinned)
 
+    def handle(self, name: str) -> object:
+        """The runtime object of a resident model (None otherwise)."""
+        return self._get(name).handle
+
     def state(self, name: str) -> ModelState:
         return self._view(self._get(name))
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from polylane import catalog
-from polylane.runtime.loader import load_weights, parse_dtype
+from polylane.runtime.converted import converted_path, load_converted, save_converted
+from polylane.runtime.loader import LoadedWeights, load_weights, parse_dtype
 from polylane.runtime.model_config import ModelConfig
 from polylane.runtime.models.base import DecoderModel
 from polylane.runtime.tokenizer import Tokenizer, load_tokenizer
@@ -26,11 +27,17 @@ class LoadedModel:
     load_seconds: float
 
 
-def load_model(name_or_path: str, dtype: str | torch.dtype = "fp32", quiet: bool = False) -> LoadedModel:
-    """Resolve (fetching a catalogue model on first use), read weights and tokenizer."""
+def load_model(
+    name_or_path: str, dtype: str | torch.dtype = "fp32", quiet: bool = False, convert_cache: bool = True
+) -> LoadedModel:
+    """Resolve (fetching a catalogue model on first use), read weights and tokenizer.
+
+    A GGUF file is dequantised once per dtype; with `convert_cache` the result is kept as
+    safetensors (`runtime.converted`) and later loads read that instead.
+    """
     source = catalog.resolve(name_or_path, quiet=quiet)
     started = time.perf_counter()
-    weights = load_weights(source.path, source.format, dtype, progress=not quiet)
+    weights = _load_weights(source, parse_dtype(dtype), quiet, convert_cache)
     tokenizer = load_tokenizer(source)
     return LoadedModel(
         name=source.name,
@@ -42,3 +49,16 @@ def load_model(name_or_path: str, dtype: str | torch.dtype = "fp32", quiet: bool
         weight_bytes=weights.weight_bytes,
         load_seconds=time.perf_counter() - started,
     )
+
+
+def _load_weights(
+    source: catalog.ModelSource, dtype: torch.dtype, quiet: bool, convert_cache: bool
+) -> LoadedWeights:
+    if source.format != "gguf" or not convert_cache:
+        return load_weights(source.path, source.format, dtype, progress=not quiet)
+    target = converted_path(source.path, dtype)
+    weights = load_converted(target, dtype)
+    if weights is None:
+        weights = load_weights(source.path, source.format, dtype, progress=not quiet)
+        save_converted(weights, target)
+    return weights

@@ -11,6 +11,7 @@ architecture, a missing tensor or a tensor of the wrong shape.
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -188,6 +189,35 @@ def load_weights(
         return load_gguf(path, dtype, progress)
     if format == "hf":
         return load_hf_folder(path, dtype)
+    raise ValueError(f"unknown model format {format!r}")
+
+
+def estimate_weight_bytes(path: str | Path, format: str, dtype: str | torch.dtype = "fp32") -> int:
+    """Bytes the weights will take at `dtype`, from the file's header alone (no tensor is read).
+
+    Also the cheap validity check before anything is evicted for this model: a missing, truncated
+    or corrupt file raises LoadError here.
+    """
+    element_size = torch.empty(0, dtype=parse_dtype(dtype)).element_size()
+    path = Path(path)
+    if format == "gguf":
+        file = _open_gguf(path)
+        return sum(math.prod(info.shape) for info in file.tensors.values()) * element_size
+    if format == "hf":
+        from safetensors import safe_open
+
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise LoadError(f"{path}: no *.safetensors files")
+        elements = 0
+        for file in files:
+            try:
+                with safe_open(str(file), framework="pt") as handle:
+                    for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                        elements += math.prod(handle.get_slice(name).get_shape())
+            except Exception as error:
+                raise LoadError(f"{file}: not a readable safetensors file ({error})") from None
+        return elements * element_size
     raise ValueError(f"unknown model format {format!r}")
 
 

@@ -1,0 +1,309 @@
+"""Many models in one process under one byte budget: the runtime side of residency.
+
+What this module owns: turning the `ResidencyPool` policy into loaded models and freed memory.
+`acquire(name)` returns a lease on a resident model (its weights and its `ModelKV`), loading it
+first if needed; the bytes a model counts are measured after loading (parameter bytes + its KV
+cache reservation), not guessed. Evicting drops every reference the manager holds, so the memory
+goes back (and asks the C allocator to return freed pages to the OS).
+
+Thread-safe: one lock guards the pool; a load runs outside it (other models keep serving), and
+threads wanting a model that is loading wait for that load. A load that fails (missing, corrupt
+or truncated file, or a model that does not fit) fails only its own admission, with a clear error:
+before anything is evicted the file's header is read and its weight bytes estimated (the KV
+reservation is added once the loaded model is measured), and a failure after that returns the
+reservation. On CPU the host tier is the device; there is no other tier here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+
+from polylane import catalog
+from polylane.policy.residency import (
+    LOADING,
+    Eviction,
+    ModelState,
+    ResidencyCounters,
+    ResidencyError,
+    ResidencyPool,
+)
+from polylane.runtime.loaded_model import LoadedModel, load_model
+from polylane.runtime.loader import LoadError, estimate_weight_bytes, parse_dtype
+from polylane.runtime.model_kv import ModelKV
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KV_TOKENS = 4096
+DEFAULT_BLOCK_SIZE = 16
+
+
+class ModelLoadError(RuntimeError):
+    """Loading one model failed; the pool and every other model are unchanged."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    source: str  # catalogue name or local path
+    dtype: str
+    kv_tokens: int
+
+
+@dataclass
+class ResidentModel:
+    """What a resident model holds: weights, tokenizer, KV; the pool's handle for it."""
+
+    model: LoadedModel
+    kv: ModelKV
+    bytes: int
+    load_seconds: float
+    rss_delta_bytes: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """One model's residency state, for `snapshot()` (and the server's /v1/models)."""
+
+    name: str
+    source: str
+    dtype: str
+    state: str  # cold | loading | resident
+    bytes: int  # measured when resident, estimated from the file header otherwise
+    pinned: bool
+    in_flight: int
+    last_used: int
+    loads: int
+    load_seconds: float | None  # of the current residency
+
+
+@dataclass(frozen=True)
+class ManagerCounters:
+    pool: ResidencyCounters
+    load_seconds: float  # total seconds spent loading (paging in)
+
+
+class ModelLease:
+    """A model held in memory for one request; `release()` (or leave the `with`) exactly once."""
+
+    def __init__(self, manager: ResidencyManager, name: str, resident: ResidentModel) -> None:
+        self.name = name
+        self.model = resident.model
+        self.kv = resident.kv
+        self._manager = manager
+        self._released = False
+
+    def release(self) -> None:
+        if self._released:
+            raise ResidencyError(f"lease on {self.name!r} released twice")
+        self._released = True
+        self._manager._release(self.name)
+
+    def __enter__(self) -> ModelLease:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        if not self._released:
+            self.release()
+
+
+class ResidencyManager:
+    def __init__(
+        self, budget_bytes: int, *, block_size: int = DEFAULT_BLOCK_SIZE, quiet: bool = True
+    ) -> None:
+        self.block_size = block_size
+        self.quiet = quiet
+        self._pool = ResidencyPool(budget_bytes)
+        self._specs: dict[str, ModelSpec] = {}
+        self._load_seconds = 0.0
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+
+    # ------------------------------------------------------------------ registry
+
+    def register(
+        self,
+        name: str,
+        source: str | None = None,
+        dtype: str = "fp32",
+        pinned: bool = False,
+        kv_tokens: int = DEFAULT_KV_TOKENS,
+    ) -> None:
+        """Declare a model (cold). Its size is estimated from the file header when first loaded."""
+        parse_dtype(dtype)
+        if kv_tokens < self.block_size:
+            raise ResidencyError(f"model {name!r}: kv_tokens must be >= {self.block_size}, got {kv_tokens}")
+        with self._lock:
+            self._pool.register(name, 0, pinned)
+            self._specs[name] = ModelSpec(name, source or name, dtype, kv_tokens)
+
+    @property
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._specs)
+
+    # ------------------------------------------------------------------ acquire / release
+
+    def acquire(self, name: str) -> ModelLease:
+        """A lease on `name`, loading it (and evicting LRU idle models) if it is not resident."""
+        with self._lock:
+            while True:
+                state = self._pool.state(name)
+                if state.state == LOADING:
+                    self._changed.wait()
+                    continue
+                if state.state == "resident":
+                    self._pool.begin_load(name)  # a hit: refreshes recency
+                    return ModelLease(self, name, self._pool.acquire(name))  # type: ignore[arg-type]
+                break
+            spec = self._specs[name]
+        estimate = self._estimate(spec)  # header read outside the lock; raises before any eviction
+        with self._lock:
+            if self._pool.state(name).state != "cold":  # another thread got there first
+                return self._acquire_after_wait(name)
+            self._drop(self._pool.begin_load(name, estimate))
+        try:
+            resident = self._load(spec)
+        except BaseException as error:
+            with self._lock:
+                self._pool.abort_load(name)
+                self._changed.notify_all()
+            if isinstance(error, (LoadError, catalog.ModelNotFoundError, catalog.FetchError, OSError)):
+                raise ModelLoadError(f"cannot load model {name!r} from {spec.source}: {error}") from error
+            raise
+        with self._lock:
+            try:
+                self._drop(self._pool.finish_load(name, resident.bytes, resident))
+            except ResidencyError as error:
+                self._changed.notify_all()
+                raise ModelLoadError(f"model {name!r} measured {resident.bytes} bytes: {error}") from error
+            self._load_seconds += resident.load_seconds
+            handle = self._pool.acquire(name)
+            self._changed.notify_all()
+            return ModelLease(self, name, handle)  # type: ignore[arg-type]
+
+    def _acquire_after_wait(self, name: str) -> ModelLease:
+        while self._pool.state(name).state == LOADING:
+            self._changed.wait()
+        if self._pool.state(name).state != "resident":
+            raise ModelLoadError(f"model {name!r} failed to load in another request")
+        self._pool.begin_load(name)
+        return ModelLease(self, name, self._pool.acquire(name))  # type: ignore[arg-type]
+
+    def _release(self, name: str) -> None:
+        with self._lock:
+            self._pool.release(name)
+
+    # ------------------------------------------------------------------ control
+
+    def pin(self, name: str) -> None:
+        with self._lock:
+            self._pool.pin(name)
+
+    def unpin(self, name: str) -> None:
+        with self._lock:
+            self._pool.unpin(name)
+
+    def evict(self, name: str, force: bool = False) -> None:
+        with self._lock:
+            self._drop([self._pool.evict(name, force)])
+
+    def set_budget(self, budget_bytes: int) -> list[str]:
+        """Change the budget; returns the models evicted to fit it (LRU first)."""
+        with self._lock:
+            evictions = self._pool.set_budget(budget_bytes)
+            names = [e.name for e in evictions]
+            self._drop(evictions)
+            return names
+
+    @property
+    def budget_bytes(self) -> int:
+        return self._pool.budget_bytes
+
+    def snapshot(self) -> list[ModelInfo]:
+        with self._lock:
+            return [self._info(state) for state in self._pool.snapshot()]
+
+    def counters(self) -> ManagerCounters:
+        with self._lock:
+            return ManagerCounters(self._pool.counters(), self._load_seconds)
+
+    def close(self) -> None:
+        """Evict everything (forcing pins); models in flight stay until released."""
+        with self._lock:
+            for state in self._pool.snapshot():
+                if state.state == "resident" and not state.in_flight:
+                    self._drop([self._pool.evict(state.name, force=True)])
+
+    # ------------------------------------------------------------------ internals
+
+    def _estimate(self, spec: ModelSpec) -> int:
+        try:
+            source = catalog.resolve(spec.source, quiet=self.quiet)
+            weights = estimate_weight_bytes(source.path, source.format, spec.dtype)
+        except (LoadError, catalog.ModelNotFoundError, catalog.FetchError, OSError) as error:
+            raise ModelLoadError(f"cannot load model {spec.name!r} from {spec.source}: {error}") from error
+        return weights  # the KV reservation is added when the loaded model is measured
+
+    def _load(self, spec: ModelSpec) -> ResidentModel:
+        rss_before = psutil.Process().memory_info().rss
+        started = time.perf_counter()
+        model = load_model(spec.source, spec.dtype, quiet=self.quiet)
+        num_blocks = -(-spec.kv_tokens // self.block_size)
+        kv = ModelKV(model, num_blocks=num_blocks, block_size=self.block_size, prefix_cache=True)
+        seconds = time.perf_counter() - started
+        measured = model.weight_bytes + kv.cache.nbytes
+        rss_delta = psutil.Process().memory_info().rss - rss_before
+        log.info(
+            "loaded %s (%s, %s) in %.2f s: %.1f MiB weights + %.1f MiB KV",
+            spec.name,
+            spec.source,
+            spec.dtype,
+            seconds,
+            model.weight_bytes / 2**20,
+            kv.cache.nbytes / 2**20,
+        )
+        return ResidentModel(model, kv, measured, seconds, rss_delta)
+
+    def _drop(self, evictions: list[Eviction]) -> None:
+        """Let go of evicted models' memory (called with the lock held)."""
+        if not evictions:
+            return
+        for eviction in evictions:
+            log.info("evicted %s (%d bytes, %s)", eviction.name, eviction.bytes, eviction.cause)
+        del evictions[:]
+        gc.collect()
+        _return_freed_memory()
+
+    def _info(self, state: ModelState) -> ModelInfo:
+        spec = self._specs[state.name]
+        handle = self._pool.handle(state.name)
+        return ModelInfo(
+            name=state.name,
+            source=spec.source,
+            dtype=spec.dtype,
+            state=state.state,
+            bytes=state.bytes,
+            pinned=state.pinned,
+            in_flight=state.in_flight,
+            last_used=state.last_used,
+            loads=state.loads,
+            load_seconds=handle.load_seconds if handle is not None else None,
+        )
+
+
+def _return_freed_memory() -> None:
+    """Ask glibc to hand freed heap pages back to the OS, so RSS falls after an unload."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+__all__ = ["ManagerCounters", "ModelInfo", "ModelLease", "ModelLoadError", "ResidencyManager"]
