@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from polylane.policy.sequence_blocks import validate_tree
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -78,12 +80,7 @@ class SequenceChunk:
                 raise ValueError(
                     f"tree has {len(self.tree_parents)} parents for {len(self.token_ids)} tokens"
                 )
-            for node, parent in enumerate(self.tree_parents):
-                if not -1 <= parent < node:
-                    raise ValueError(
-                        f"tree node {node} has parent {parent}: parents must come before "
-                        "their children (-1 for the committed prefix)"
-                    )
+            validate_tree(self.tree_parents)
 
     @property
     def num_new(self) -> int:

@@ -4,7 +4,7 @@ stateful property test against a simulated cache.
 The simulation stores one value per cache slot and applies every `BlockCopy` / `SlotMove` the
 policy returns. Its contract: every live sequence reads back exactly the values it wrote (so a
 write by one fork is never seen by another), pool reference counts equal the table entries that
-hold each block, and a refused write changes nothing.
+hold each block, and a refused write or compaction changes nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +17,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from polylane.policy.blocks import BlockPool, OutOfBlocksError
-from polylane.policy.sequence_blocks import BlockCopy, SequenceBlocks, SlotMove, validate_path
+from polylane.policy.sequence_blocks import (
+    BlockCopy,
+    Compaction,
+    SequenceBlocks,
+    SlotMove,
+    validate_path,
+    validate_tree,
+)
 
 B = 4
 
@@ -109,7 +116,7 @@ def test_compact_of_a_chain_moves_nothing(k: int) -> None:
     pool = BlockPool(8, B)
     sequence = written(pool, 9)  # base 5, a 4-token chain
     slots = [sequence.slot(i) for i in range(5 + k)]
-    assert sequence.compact(5, (-1, 0, 1, 2), list(range(k))) == []
+    assert sequence.compact(5, (-1, 0, 1, 2), list(range(k))) == Compaction([], [])
     assert sequence.num_tokens == 5 + k and len(sequence.table) == pool.blocks_for(5 + k)
     assert [sequence.slot(i) for i in range(5 + k)] == slots
 
@@ -118,8 +125,10 @@ def test_compact_moves_the_accepted_path_to_its_depths() -> None:
     pool = BlockPool(8, B)
     sequence = written(pool, 3 + 5)  # base 3, tree of 5 nodes
     slot = [sequence.slot(i) for i in range(8)]
-    moves = sequence.compact(3, (-1, -1, 0, 1, 3), [1, 3, 4])
-    assert moves == [SlotMove(slot[4], slot[3]), SlotMove(slot[6], slot[4]), SlotMove(slot[7], slot[5])]
+    compaction = sequence.compact(3, (-1, -1, 0, 1, 3), [1, 3, 4])
+    assert compaction.copies == [], "no block is shared, so nothing to copy"
+    expected = [SlotMove(slot[4], slot[3]), SlotMove(slot[6], slot[4]), SlotMove(slot[7], slot[5])]
+    assert compaction.moves == expected, f"{compaction.moves}"
     assert sequence.num_tokens == 6 and len(sequence.table) == 2
 
 
@@ -153,6 +162,12 @@ def test_compact_of_a_tree_past_the_written_slots_raises() -> None:
     with pytest.raises(ValueError, match="exceeds"):
         sequence.compact(3, (-1, -1, 0, 1, 3), [1])
     assert sequence.num_tokens == 7 and len(sequence.table) == 2
+
+
+@pytest.mark.parametrize("parents", [(0,), (1, -1), (-2,), (-1, 1), (-1, 0, 3, 1)])
+def test_validate_tree_rejects_parents_that_do_not_come_first(parents: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match="parent"):
+        validate_tree(parents)
 
 
 def test_validate_path_accepts_every_root_to_node_chain() -> None:
@@ -204,34 +219,64 @@ def test_advance_past_the_held_blocks_raises() -> None:
     assert sequence.num_tokens == B
 
 
-# ---------------------------------------------------------------- known gaps in `compact`
+# ---------------------------------------------------------------- compact: copy-on-write and input checks
 
 
-@pytest.mark.xfail(strict=True, reason="compact moves KV into blocks a fork still shares (no copy-on-write)")
-def test_compact_never_writes_into_a_block_another_sequence_reads() -> None:
+def test_compact_copies_a_shared_target_block_before_moving_into_it() -> None:
     pool = BlockPool(8, B)
-    sequence = written(pool, 6)  # base 2, tree (-1, -1, 0, 1) at slots 2..5, all in shared blocks
+    sequence = written(pool, 6)  # base 2, tree (-1, -1, 0, 1) at slots 2..5
+    fork = sequence.fork()  # a fork taken after the tree was written shares both blocks
+    old = list(sequence.table)
+    fork_slots = [fork.slot(i) for i in range(6)]
+    compaction = sequence.compact(2, (-1, -1, 0, 1), [1, 3])
+    assert compaction.copies == [BlockCopy(old[0], sequence.table[0])], f"{compaction.copies}"
+    assert sequence.table[0] != old[0] and fork.table == old, "the fork must keep its blocks"
+    assert [fork.slot(i) for i in range(6)] == fork_slots and fork.num_tokens == 6
+    read_by_fork = set(fork_slots)
+    assert not [move for move in compaction.moves if move.target in read_by_fork], f"{compaction}"
+    own = sequence.table[0]  # the copies run first, so a source in the copied block reads the copy
+    assert compaction.moves == [
+        SlotMove(own * B + 3, own * B + 2),  # node 1 (slot 3) to slot 2
+        SlotMove(old[1] * B + 1, own * B + 3),  # node 3 (slot 5, still the shared block) to slot 3
+    ], f"{compaction.moves}"
+    assert sequence.num_tokens == 4 and sequence.table == [own] and [pool.ref_count(b) for b in old] == [1, 1]
+    assert pool.ref_count(sequence.table[0]) == 1
+
+
+def test_compact_of_a_chain_copies_nothing_even_when_shared() -> None:
+    pool = BlockPool(8, B)
+    sequence = written(pool, 6)
     fork = sequence.fork()
-    moves = sequence.compact(2, (-1, -1, 0, 1), [1, 3])
-    read_by_fork = {fork.slot(i) for i in range(fork.num_tokens)}
-    assert not [move for move in moves if move.target in read_by_fork], f"{moves} overwrite the fork's KV"
+    assert sequence.compact(2, (-1, 0, 1), [0, 1]) == Compaction([], [])
+    assert sequence.table == fork.table[:1] and sequence.num_tokens == 4
 
 
-@pytest.mark.xfail(strict=True, reason="compact accepts a negative base")
-def test_compact_rejects_a_negative_base() -> None:
+def test_compact_out_of_blocks_for_its_copy_changes_nothing() -> None:
+    pool = BlockPool(2, B)
+    sequence = written(pool, 6)
+    fork = sequence.fork()
+    before = (list(sequence.table), sequence.num_tokens, [pool.ref_count(b) for b in range(2)])
+    with pytest.raises(OutOfBlocksError):
+        sequence.compact(2, (-1, -1, 0, 1), [1, 3])
+    after = (list(sequence.table), sequence.num_tokens, [pool.ref_count(b) for b in range(2)])
+    assert after == before and fork.table == before[0]
+
+
+@pytest.mark.parametrize("base", [-1, -3])
+def test_compact_rejects_a_negative_base(base: int) -> None:
     pool = BlockPool(8, B)
     sequence = written(pool, 3)
     with pytest.raises(ValueError):
-        sequence.compact(-1, (-1,), [0])  # today: no moves, and the sequence is truncated to 0 tokens
+        sequence.compact(base, (-1,), [0])
+    assert sequence.num_tokens == 3 and len(sequence.table) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="validate_path does not require parents[i] < i")
 def test_compact_rejects_parents_that_are_not_topologically_ordered() -> None:
     pool = BlockPool(8, B)
     sequence = written(pool, 2)
-    with pytest.raises(ValueError):
-        # today: moves slot 1 -> 0 then slot 0 -> 1, so applied in order node 0's KV is lost
-        sequence.compact(0, (1, -1), [1, 0])
+    with pytest.raises(ValueError, match="parent"):
+        sequence.compact(0, (1, -1), [1, 0])  # a swap: applied in order, node 0's KV would be lost
+    assert sequence.num_tokens == 2 and pool.ref_count(sequence.table[0]) == 1
 
 
 # ---------------------------------------------------------------- stateful property test
@@ -329,14 +374,17 @@ class ForkWriteTruncate(RuleBasedStateMachine):
         assert self._snapshot(sequence) == before
 
     @precondition(lambda self: self.live)
-    @rule(pick=st.integers(0, 99), data=st.data())
-    def verify_tree(self, pick: int, data: st.DataObject) -> None:
+    @rule(pick=st.integers(0, 99), fork_first=st.booleans(), data=st.data())
+    def verify_tree(self, pick: int, fork_first: bool, data: st.DataObject) -> None:
+        """Write a tree's nodes, maybe fork (the fork keeps the whole tree), then compact."""
         sequence, expected = self.live[pick % len(self.live)]
         size = data.draw(st.integers(1, 6), label="tree size")
         parents = tuple(data.draw(st.integers(-1, node - 1)) for node in range(size))
         base = sequence.num_tokens
         if not self._write(sequence, expected, size):
             return
+        if fork_first:
+            self.live.append((sequence.fork(), list(expected)))
         node = data.draw(st.integers(-1, size - 1), label="accepted node")
         path = []
         while node >= 0:
@@ -344,8 +392,22 @@ class ForkWriteTruncate(RuleBasedStateMachine):
             node = parents[node]
         path.reverse()
         tree_values = expected[base:]
-        moves = sequence.compact(base, parents, path)
-        for move in moves:  # in order, as the runtime applies them
+        before = self._snapshot(sequence)
+        try:
+            compaction = sequence.compact(base, parents, path)
+        except OutOfBlocksError:
+            assert self._snapshot(sequence) == before, "a refused compaction changed the table or the pool"
+            return  # the whole tree stays written, as `expected` says
+        for copy in compaction.copies:  # copies first, whole blocks
+            assert copy.source in before[0] and copy.target in sequence.table, f"{copy}"
+            for offset in range(B):
+                source, target = copy.source * B + offset, copy.target * B + offset
+                if source in self.cache:
+                    self.cache[target] = self.cache[source]
+                else:
+                    self.cache.pop(target, None)
+        for move in compaction.moves:  # then the moves, in order, as the runtime applies them
+            assert self.pool.ref_count(move.target // B) == 1, f"{move} lands in a shared block"
             self.cache[move.target] = self.cache[move.source]
         assert sequence.num_tokens == base + len(path)
         assert len(sequence.table) == self.pool.blocks_for(base + len(path))
@@ -369,7 +431,7 @@ class ForkWriteTruncate(RuleBasedStateMachine):
     def reference_counts_are_conserved(self) -> None:
         owners = [0] * self.pool.num_blocks
         for sequence, _ in self.live:
-            assert len(sequence.table) == self.pool.blocks_for(sequence.num_tokens), "table holds stray blocks"
+            assert len(sequence.table) == self.pool.blocks_for(sequence.num_tokens), "stray blocks"
             for block in sequence.table:
                 owners[block] += 1
         counts = [self.pool.ref_count(b) for b in range(self.pool.num_blocks)]

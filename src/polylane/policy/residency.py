@@ -2,40 +2,59 @@
 
 What this module owns: every registered model's state (cold → loading → resident → cold), the
 bytes each one counts against the budget, pins, in-flight request counts, the LRU clock, and the
-counters. It holds the runtime's loaded object only as an opaque `handle`, returned in the
-`Eviction` that drops it, so the runtime can let go of exactly what was evicted. No I/O, no
-threads: `runtime.residency` wraps it in a lock and does the loading.
+counters. It holds the runtime's loaded object only as an opaque `handle`, and gives it back in
+the `Eviction` that drops the model, so the runtime can let go of exactly what was evicted. What it
+does not own: loading, bytes in memory, files, time. No I/O, no threads, no torch:
+`runtime.residency` wraps every call in one lock and does the loading between `begin_load` and
+`finish_load` (or `abort_load`).
+
+States. *cold*: registered, not in memory, counts nothing. *loading*: `begin_load` reserved its
+bytes (counted as used) and the runtime is loading it. *resident*: in memory with its measured bytes
+and its handle. `bytes` is the estimate given at `register`/`begin_load` until `finish_load`
+measures it.
 
 Rules:
 - Used bytes (loading + resident models) never exceed the budget.
-- Admission (`begin_load`) is all or nothing: feasibility is decided first; a refused admission
-  changes nothing. Room is made by evicting *victims*: resident, unpinned models with no request in
-  flight, least recently used first (the LRU clock is a counter advanced by `begin_load` and
-  `acquire`; ties cannot happen, each tick touches one model). Pinned models, models in flight and
-  models being loaded are never victims.
-- Re-admitting a resident model only refreshes its recency (a hit).
-- `set_budget` grows without evicting; shrinking evicts victims until the used bytes fit, or is
+- *Victims* are resident, unpinned models with no request in flight. Loading models, pinned models
+  and models in flight are never evicted to make room, nor by `set_budget`.
+- Victim order: least recently used first, by `last_used` (a logical clock advanced by one on every
+  `begin_load` and `acquire`, never wall time), ties broken by registration order (earlier first).
+  Each tick stamps one model, so two models that were ever admitted never tie; the tie-break only
+  keeps the order total. Victims are taken in that order until enough bytes are free: an older
+  victim is never skipped to spare a bigger one.
+- All or nothing: feasibility is decided before anything changes; an operation that raises a
+  `ResidencyError` leaves the pool as it was. The one documented exception is `finish_load` when
+  the measured model cannot fit: the model goes back to cold (its reservation returned) and then
+  NoRoomError is raised, so the runtime must drop the handle it was about to hand over.
+- Re-admitting (`begin_load`) a resident model only refreshes its recency and counts a hit.
+- `set_budget` grows without evicting; a shrink evicts victims until the used bytes fit, or is
   refused (budget unchanged) when pinned, in-flight and loading bytes alone exceed it.
 - Every operation that evicts returns its `Eviction`s in the order they happened.
+
+Hits and misses are counted by `begin_load` only (on a resident model: a hit; on a cold one: a
+miss). `acquire` does not count: the runtime calls `begin_load` and then `acquire` for every
+request, so counting both would count each request twice.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import itertools
+from dataclasses import dataclass
 
 COLD, LOADING, RESIDENT = "cold", "loading", "resident"
+CAUSES = ("room", "budget", "explicit")
 
 
 class ResidencyError(ValueError):
-    """A residency operation was refused; the pool is unchanged."""
+    """A residency operation was refused; the pool is unchanged (but see `finish_load`)."""
 
 
 class NoRoomError(ResidencyError):
-    """The budget cannot hold what was asked without evicting a pinned or busy model."""
+    """The budget cannot hold what was asked without evicting a pinned, busy or loading model."""
 
 
 class ModelBusyError(ResidencyError):
-    """The model has requests in flight (or is loading) and cannot be dropped now."""
+    """The model has requests in flight (or is loading) and cannot be dropped or reloaded now."""
 
 
 class PinnedError(ResidencyError):
@@ -43,45 +62,71 @@ class PinnedError(ResidencyError):
 
 
 class UnknownModelError(ResidencyError):
-    """No model of that name is registered."""
+    """No model of that name is registered; the message lists the names that are."""
 
 
 @dataclass(frozen=True)
 class Eviction:
+    """One model dropped to cold. The runtime drops `handle` (what it passed to `finish_load`)."""
+
     name: str
     bytes: int
-    cause: str  # "room" (made room for another model) | "budget" (set_budget) | "explicit"
+    cause: str  # "room" (made room for another model) | "budget" (set_budget) | "explicit" (evict)
     handle: object
 
 
 @dataclass(frozen=True)
 class ModelState:
+    """One model as `snapshot()` sees it."""
+
     name: str
     state: str  # cold | loading | resident
-    bytes: int  # measured when resident, estimated otherwise
+    bytes: int  # measured once loaded (also after a failed finish_load), estimated before
     pinned: bool
-    in_flight: int
-    last_used: int  # LRU clock value of the last admission or acquire (0: never)
-    loads: int
+    in_flight: int  # requests holding it (acquire minus release)
+    last_used: int  # LRU clock at the last begin_load or acquire (0: never)
+    loads: int  # finished loads
 
 
 @dataclass(frozen=True)
 class ResidencyCounters:
-    hits: int  # admissions of a model that was already resident
-    misses: int  # admissions that had to load
-    evictions: dict[str, int]  # by cause
+    """Counters since the pool was made, and the byte totals now.
+
+    hits / misses: `begin_load` of a resident / a cold model. evictions_by_cause: evictions per
+    cause ("room", "budget", "explicit"). bytes_loaded: sum of the measured bytes of every finished
+    load. used_bytes: loading + resident bytes. pinned_bytes: of those, the pinned models' bytes.
+    """
+
+    hits: int
+    misses: int
+    evictions_by_cause: dict[str, int]
     bytes_loaded: int
     used_bytes: int
     budget_bytes: int
-    pinned_bytes: int  # resident or loading pinned models
+    pinned_bytes: int
+
+    @property
+    def evictions(self) -> dict[str, int]:
+        """Same as `evictions_by_cause` (the field's first name)."""
+        return self.evictions_by_cause
+
+    @property
+    def num_evictions(self) -> int:
+        return sum(self.evictions_by_cause.values())
+
+    @property
+    def hit_rate(self) -> float:
+        """hits / (hits + misses); 0.0 before any admission."""
+        admissions = self.hits + self.misses
+        return self.hits / admissions if admissions else 0.0
 
 
-@dataclass
+@dataclass(eq=False)
 class _Model:
     name: str
     bytes: int
     pinned: bool
-    order: int
+    order: int  # registration serial: the LRU tie-break, never reused
     state: str = COLD
     in_flight: int = 0
     last_used: int = 0
@@ -89,108 +134,147 @@ class _Model:
     handle: object = None
 
 
-@dataclass
-class ResidencyPool:
-    budget_bytes: int
-    _models: dict[str, _Model] = field(default_factory=dict)
-    _clock: int = 0
-    _hits: int = 0
-    _misses: int = 0
-    _evictions: dict[str, int] = field(default_factory=lambda: {"room": 0, "budget": 0, "explicit": 0})
-    _bytes_loaded: int = 0
+def _checked_bytes(what: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ResidencyError(f"{what} must be a whole number of bytes, got {value!r}")
+    if value < 0:
+        raise ResidencyError(f"{what} must be >= 0 bytes, got {value}")
+    return value
 
-    def __post_init__(self) -> None:
-        if self.budget_bytes < 0:
-            raise ResidencyError(f"budget must be >= 0 bytes, got {self.budget_bytes}")
+
+class ResidencyPool:
+    """Models under one byte budget: all-or-nothing admission, LRU eviction, pins, in-flight counts.
+
+    Not thread-safe: the runtime holds one lock around every call.
+    """
+
+    def __init__(self, budget_bytes: int) -> None:
+        self._budget_bytes = _checked_bytes("budget", budget_bytes)
+        self._models: dict[str, _Model] = {}
+        self._registrations = itertools.count()
+        self._clock = 0
+        self._used_bytes = 0
+        self._hits = 0
+        self._misses = 0
+        self._evictions = dict.fromkeys(CAUSES, 0)
+        self._bytes_loaded = 0
 
     # ------------------------------------------------------------------ registry
 
     def register(self, name: str, size_bytes: int, pinned: bool = False) -> None:
+        """Declare a cold model with an estimated size (`begin_load` may correct it)."""
+        if not isinstance(name, str) or not name:
+            raise ResidencyError(f"a model name must be a non-empty string, got {name!r}")
         if name in self._models:
-            raise ResidencyError(f"model {name!r} is already registered")
-        if size_bytes < 0:
-            raise ResidencyError(f"model {name!r}: size must be >= 0 bytes, got {size_bytes}")
-        self._models[name] = _Model(name, size_bytes, pinned, order=len(self._models))
+            raise ResidencyError(f"model {name!r} is already registered ({self._models[name].state})")
+        size = _checked_bytes(f"model {name!r}: size", size_bytes)
+        self._models[name] = _Model(name, size, bool(pinned), order=next(self._registrations))
 
     def unregister(self, name: str) -> None:
+        """Forget a cold model (its counters stay in the pool's totals)."""
         model = self._get(name)
         if model.state != COLD:
             raise ModelBusyError(f"model {name!r} is {model.state}; evict it before unregistering")
         del self._models[name]
 
-    def __contains__(self, name: str) -> bool:
+    def __contains__(self, name: object) -> bool:
         return name in self._models
+
+    def __len__(self) -> int:
+        return len(self._models)
 
     # ------------------------------------------------------------------ admission
 
     def plan_admit(self, name: str, size_bytes: int | None = None) -> list[str]:
-        """The victims admitting `name` would evict, in order; NoRoomError if it cannot fit."""
-        model = self._get(name)
+        """The victims `begin_load(name, size_bytes)` would evict, in eviction order; changes nothing.
+
+        A resident model needs no room ([]); a loading one raises ModelBusyError; NoRoomError if it
+        cannot fit even after evicting every victim.
+        """
+        model, size = self._admission(name, size_bytes)
         if model.state == RESIDENT:
             return []
-        if model.state == LOADING:
-            raise ModelBusyError(f"model {name!r} is already loading")
-        size = model.bytes if size_bytes is None else size_bytes
-        return [victim.name for victim in self._victims_for(size, name, f"load {name!r}")]
+        return [victim.name for victim in self._victims_for_load(model, size)]
 
     def begin_load(self, name: str, size_bytes: int | None = None) -> list[Eviction]:
-        """Reserve `name`'s bytes (evicting LRU victims) and mark it loading; a resident model is
-        only touched (a hit) and nothing is evicted."""
-        model = self._get(name)
+        """Admit a cold model: evict LRU victims until `size_bytes` (default: its registered size)
+        fits, reserve it and mark it loading; the runtime then loads it and calls `finish_load` or
+        `abort_load`. A refused admission (NoRoomError) evicts nothing and changes nothing.
+
+        A resident model is only touched (a hit; `size_bytes` is ignored: its measured size stands)
+        and nothing is evicted. A loading model raises ModelBusyError.
+        """
+        model, size = self._admission(name, size_bytes)
         if model.state == RESIDENT:
             self._hits += 1
             self._touch(model)
             return []
-        if model.state == LOADING:
-            raise ModelBusyError(f"model {name!r} is already loading")
-        size = model.bytes if size_bytes is None else size_bytes
-        if size < 0:
-            raise ResidencyError(f"model {name!r}: size must be >= 0 bytes, got {size}")
-        victims = self._victims_for(size, name, f"load {name!r}")
+        victims = self._victims_for_load(model, size)
         evictions = [self._drop(victim, "room") for victim in victims]
         model.bytes, model.state = size, LOADING
+        self._used_bytes += size
         self._misses += 1
         self._touch(model)
         return evictions
 
     def finish_load(self, name: str, actual_bytes: int, handle: object) -> list[Eviction]:
-        """The load succeeded and measured `actual_bytes`. If that is more than reserved and no
-        longer fits even after evicting victims, the model reverts to cold and NoRoomError is
-        raised (the caller drops its handle); nothing else changes in that case."""
+        """The load succeeded: `name` becomes resident with its measured `actual_bytes` and `handle`
+        (the runtime's loaded object, not None; given back in the `Eviction` that drops it).
+
+        A measured size above the reservation may evict more LRU victims (returned, in order). If
+        it cannot fit even then, the model goes back to cold (reservation returned, the measured
+        size kept as its estimate, nothing else changed) and NoRoomError is raised: the caller must
+        then drop `handle` itself, the pool never held it.
+        """
         model = self._get(name)
         if model.state != LOADING:
-            raise ResidencyError(f"model {name!r} is {model.state}, not loading")
-        extra = actual_bytes - model.bytes
-        try:
-            victims = self._victims_for(extra, name, f"fit {name!r} as measured ({actual_bytes} bytes)")
-        except NoRoomError:
-            model.state = COLD
-            raise
+            raise ResidencyError(f"model {name!r} is {model.state}, not loading; call begin_load first")
+        actual = _checked_bytes(f"model {name!r}: measured size", actual_bytes)
+        if handle is None:
+            raise ResidencyError(f"model {name!r}: finish_load needs the loaded object as handle, got None")
+        extra = actual - model.bytes
+        victims = self._victims_for(extra, self._budget_bytes)
+        if victims is None:
+            message = self._no_room_message(
+                f"cannot keep model {name!r} as measured ({actual} bytes, {model.bytes} reserved)",
+                extra,
+                self._budget_bytes,
+                subject=model,
+            )
+            self._used_bytes -= model.bytes
+            model.state, model.bytes = COLD, actual
+            raise NoRoomError(f"{message}; {name!r} is back to cold, drop its handle")
         evictions = [self._drop(victim, "room") for victim in victims]
-        model.bytes, model.state, model.handle = actual_bytes, RESIDENT, handle
+        self._used_bytes += extra
+        model.bytes, model.state, model.handle = actual, RESIDENT, handle
         model.loads += 1
-        self._bytes_loaded += actual_bytes
+        self._bytes_loaded += actual
         return evictions
 
     def abort_load(self, name: str) -> None:
-        """The load failed: back to cold, its reservation returned."""
+        """The load failed: back to cold, its reservation returned; nothing else changes (models
+        evicted by `begin_load` stay evicted, and the miss stays counted)."""
         model = self._get(name)
         if model.state != LOADING:
             raise ResidencyError(f"model {name!r} is {model.state}, not loading")
+        self._used_bytes -= model.bytes
         model.state = COLD
 
     # ------------------------------------------------------------------ in flight
 
     def acquire(self, name: str) -> object:
-        """One more request in flight on a resident model; returns its handle."""
+        """One more request in flight on a resident model (refreshes its recency); returns its
+        handle. The runtime admits it first (`begin_load`); acquire never loads."""
         model = self._get(name)
         if model.state != RESIDENT:
-            raise ResidencyError(f"model {name!r} is {model.state}; load it before acquiring")
+            hint = "it is still loading" if model.state == LOADING else "admit it with begin_load first"
+            raise ResidencyError(f"model {name!r} is {model.state}, not resident: {hint}")
         model.in_flight += 1
         self._touch(model)
         return model.handle
 
     def release(self, name: str) -> None:
+        """One request fewer in flight; once at zero the model can be evicted again."""
         model = self._get(name)
         if model.in_flight == 0:
             raise ResidencyError(f"model {name!r} has no request in flight to release")
@@ -199,13 +283,19 @@ class ResidencyPool:
     # ------------------------------------------------------------------ pins, evict, budget
 
     def pin(self, name: str) -> None:
+        """Never evict `name` for room or budget. Works in any state (a cold model is pinned once
+        loaded). Pinning does not load."""
         self._get(name).pinned = True
 
     def unpin(self, name: str) -> None:
         self._get(name).pinned = False
 
     def evict(self, name: str, force: bool = False) -> Eviction:
+        """Drop a resident model now. Refused for a model in flight (ModelBusyError, even with
+        `force`), a pinned one without `force` (PinnedError), and one that is not resident."""
         model = self._get(name)
+        if model.state == LOADING:
+            raise ModelBusyError(f"model {name!r} is loading; finish_load or abort_load it first")
         if model.state != RESIDENT:
             raise ResidencyError(f"model {name!r} is {model.state}, not resident")
         if model.in_flight:
@@ -215,21 +305,37 @@ class ResidencyPool:
         return self._drop(model, "explicit")
 
     def set_budget(self, budget_bytes: int) -> list[Eviction]:
-        if budget_bytes < 0:
-            raise ResidencyError(f"budget must be >= 0 bytes, got {budget_bytes}")
-        victims = self._victims_for(0, None, f"shrink the budget to {budget_bytes}", budget_bytes)
-        self.budget_bytes = budget_bytes
+        """Change the budget. Growing evicts nothing; shrinking evicts LRU victims until the used
+        bytes fit (cause "budget"), or raises NoRoomError with the pool (budget included) unchanged
+        when pinned, in-flight and loading bytes alone exceed the new budget."""
+        budget = _checked_bytes("budget", budget_bytes)
+        victims = self._victims_for(0, budget)
+        if victims is None:
+            lead = f"cannot shrink the budget from {self._budget_bytes} to {budget} bytes"
+            raise NoRoomError(self._no_room_message(lead, 0, budget))
+        self._budget_bytes = budget
         return [self._drop(victim, "budget") for victim in victims]
 
     # ------------------------------------------------------------------ views
 
     @property
+    def budget_bytes(self) -> int:
+        return self._budget_bytes
+
+    @property
     def used_bytes(self) -> int:
-        return sum(m.bytes for m in self._models.values() if m.state != COLD)
+        """Bytes of loading and resident models."""
+        return self._used_bytes
 
     @property
     def pinned_bytes(self) -> int:
+        """Bytes of pinned models that are loading or resident."""
         return sum(m.bytes for m in self._models.values() if m.state != COLD and m.pinned)
+
+    @property
+    def clock(self) -> int:
+        """The LRU clock: the number of `begin_load` and `acquire` calls that succeeded."""
+        return self._clock
 
     def handle(self, name: str) -> object:
         """The runtime object of a resident model (None otherwise)."""
@@ -239,90 +345,127 @@ class ResidencyPool:
         return self._view(self._get(name))
 
     def snapshot(self) -> list[ModelState]:
+        """Every model, in registration order."""
         return [self._view(m) for m in self._models.values()]
 
     def counters(self) -> ResidencyCounters:
         return ResidencyCounters(
             hits=self._hits,
             misses=self._misses,
-            evictions=dict(self._evictions),
+            evictions_by_cause=dict(self._evictions),
             bytes_loaded=self._bytes_loaded,
-            used_bytes=self.used_bytes,
-            budget_bytes=self.budget_bytes,
+            used_bytes=self._used_bytes,
+            budget_bytes=self._budget_bytes,
             pinned_bytes=self.pinned_bytes,
         )
 
     def validate(self) -> None:
-        if self.used_bytes > self.budget_bytes:
-            raise RuntimeError(f"used {self.used_bytes} bytes > budget {self.budget_bytes}")
+        """Check the pool's invariants; raise RuntimeError naming the first broken one.
+
+        For tests and debugging: cost is linear in the number of models.
+        """
+        in_memory = [m for m in self._models.values() if m.state != COLD]
+        counted = sum(m.bytes for m in in_memory)
+        if counted != self._used_bytes:
+            raise RuntimeError(f"used-bytes counter says {self._used_bytes}, models in memory hold {counted}")
+        if self._used_bytes > self._budget_bytes:
+            raise RuntimeError(f"used {self._used_bytes} bytes > budget {self._budget_bytes}")
         for m in self._models.values():
+            if m.state not in (COLD, LOADING, RESIDENT):
+                raise RuntimeError(f"{m.name} is in unknown state {m.state!r}")
+            if m.bytes < 0 or m.in_flight < 0:
+                raise RuntimeError(f"{m.name} has {m.bytes} bytes and {m.in_flight} in flight")
             if m.in_flight and m.state != RESIDENT:
                 raise RuntimeError(f"{m.name} has {m.in_flight} in flight but is {m.state}")
             if (m.handle is not None) != (m.state == RESIDENT):
                 raise RuntimeError(f"{m.name} is {m.state} with handle {m.handle!r}")
+            if not 0 <= m.last_used <= self._clock or (m.state != COLD and m.last_used == 0):
+                raise RuntimeError(f"{m.name} ({m.state}) last used at {m.last_used}, clock {self._clock}")
+        stamps = [m.last_used for m in in_memory]
+        if len(set(stamps)) != len(stamps):
+            raise RuntimeError(f"models in memory share LRU stamps: {sorted(stamps)}")
+        orders = [m.order for m in self._models.values()]
+        if orders != sorted(set(orders)):
+            raise RuntimeError(f"registration serials are not increasing and distinct: {orders}")
+        if set(self._evictions) != set(CAUSES) or min(self._evictions.values()) < 0:
+            raise RuntimeError(f"eviction counters {self._evictions}")
+        if sum(m.loads for m in self._models.values()) > self._misses:
+            raise RuntimeError(f"more finished loads than misses ({self._misses})")
 
     # ------------------------------------------------------------------ internals
 
     def _get(self, name: str) -> _Model:
         model = self._models.get(name)
         if model is None:
-            known = ", ".join(sorted(self._models)) or "none"
+            known = ", ".join(repr(n) for n in self._models) or "none"
             raise UnknownModelError(f"unknown model {name!r}; registered: {known}")
         return model
+
+    def _admission(self, name: str, size_bytes: int | None) -> tuple[_Model, int]:
+        """The model and the size to admit it at; refuses a loading model and a bad size."""
+        model = self._get(name)
+        if model.state == LOADING:
+            raise ModelBusyError(f"model {name!r} is already loading")
+        size = model.bytes if size_bytes is None else _checked_bytes(f"model {name!r}: size", size_bytes)
+        return model, size
+
+    def _victims_for_load(self, model: _Model, size: int) -> list[_Model]:
+        victims = self._victims_for(size, self._budget_bytes)
+        if victims is None:
+            lead = f"cannot load model {model.name!r} ({size} bytes)"
+            if size > self._budget_bytes:
+                lead += ", larger than the whole budget"
+            raise NoRoomError(self._no_room_message(lead, size, self._budget_bytes, subject=model))
+        return victims
 
     def _touch(self, model: _Model) -> None:
         self._clock += 1
         model.last_used = self._clock
 
-    def _victims_for(
-        self, needed: int, exclude: str | None, purpose: str, budget: int | None = None
-    ) -> list[_Model]:
-        """LRU victims to evict so that `needed` more bytes fit under `budget` (default: the current
-        one); NoRoomError, naming what holds the memory, if evicting every candidate is not enough."""
-        budget = self.budget_bytes if budget is None else budget
-        shortfall = self.used_bytes + needed - budget
-        if shortfall <= 0:
-            return []
-        candidates = sorted(
-            (
-                m
-                for m in self._models.values()
-                if m.state == RESIDENT and not m.pinned and m.in_flight == 0 and m.name != exclude
-            ),
+    def _candidates(self) -> list[_Model]:
+        """Victims in eviction order: idle unpinned resident models, least recently used first."""
+        return sorted(
+            (m for m in self._models.values() if m.state == RESIDENT and not m.pinned and not m.in_flight),
             key=lambda m: (m.last_used, m.order),
         )
-        victims, freed = [], 0
-        for candidate in candidates:
+
+    def _victims_for(self, needed: int, budget: int) -> list[_Model] | None:
+        """The victims to evict, in order, so that `needed` more bytes (may be <= 0) fit under
+        `budget`; None if evicting every candidate is not enough. Changes nothing."""
+        shortfall = self._used_bytes + needed - budget
+        victims: list[_Model] = []
+        freed = 0
+        for candidate in self._candidates():
             if freed >= shortfall:
                 break
             victims.append(candidate)
             freed += candidate.bytes
-        if freed < shortfall:
-            raise NoRoomError(self._no_room_message(needed, purpose, budget, freed, shortfall))
-        return victims
+        return victims if freed >= shortfall else None
 
-    def _no_room_message(self, needed: int, purpose: str, budget: int, freed: int, shortfall: int) -> str:
+    def _no_room_message(self, lead: str, needed: int, budget: int, subject: _Model | None = None) -> str:
+        shortfall = self._used_bytes + needed - budget
+        freeable = sum(m.bytes for m in self._candidates())
         held: list[str] = []
         for m in self._models.values():
-            if m.state == COLD:
+            if m.state == COLD or m is subject:
                 continue
+            reasons = []
             if m.pinned:
-                why = "pinned"
-            elif m.state == LOADING:
-                why = "loading"
-            elif m.in_flight:
-                why = f"{m.in_flight} in flight"
-            else:
-                continue
-            held.append(f"{m.name} ({m.bytes} bytes, {why})")
+                reasons.append("pinned")
+            if m.state == LOADING:
+                reasons.append("loading")
+            if m.in_flight:
+                reasons.append(f"{m.in_flight} in flight")
+            if reasons:
+                held.append(f"{m.name} ({m.bytes} bytes, {', '.join(reasons)})")
         return (
-            f"cannot {purpose}: needs {needed} bytes, budget {budget}, {self.used_bytes} in use; "
-            f"evicting every idle unpinned model frees only {freed} of the {shortfall} short; "
-            f"held: {', '.join(held) or 'nothing'}"
+            f"{lead}: budget {budget} bytes, {self._used_bytes} in use, {shortfall} short; evicting every "
+            f"idle unpinned resident model frees only {freeable}; held: {', '.join(held) or 'nothing'}"
         )
 
     def _drop(self, model: _Model, cause: str) -> Eviction:
         eviction = Eviction(model.name, model.bytes, cause, model.handle)
+        self._used_bytes -= model.bytes
         model.state, model.handle = COLD, None
         self._evictions[cause] += 1
         return eviction
@@ -332,4 +475,3 @@ class ResidencyPool:
         return ModelState(
             model.name, model.state, model.bytes, model.pinned, model.in_flight, model.last_used, model.loads
         )
-

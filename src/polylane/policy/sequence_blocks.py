@@ -17,8 +17,8 @@ Rules:
   never rewritten (a later write into the last kept block goes through copy-on-write if that
   block is shared).
 - After a token-tree verify wrote its nodes at slots `[base, base + P)`, `compact(base, parents,
-  path)` returns the moves that put the accepted path's KV at `[base, base + len(path))` and
-  truncates the rest away, so the accepted tokens are never recomputed.
+  path)` returns the copies and moves that put the accepted path's KV at `[base, base + len(path))`
+  and truncates the rest away, so the accepted tokens are never recomputed.
 """
 
 from __future__ import annotations
@@ -43,6 +43,14 @@ class SlotMove:
 
     source: int
     target: int
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """What the runtime does to accept a tree path: the block copies first, then the slot moves."""
+
+    copies: list[BlockCopy]
+    moves: list[SlotMove]
 
 
 class SequenceBlocks:
@@ -115,27 +123,38 @@ class SequenceBlocks:
         del self.table[keep:]
         self.num_tokens = num_tokens
 
-    def compact(self, base: int, parents: Sequence[int], path: Sequence[int]) -> list[SlotMove]:
+    def compact(self, base: int, parents: Sequence[int], path: Sequence[int]) -> Compaction:
         """Keep a verified tree's accepted root-to-node `path` (indexes into the tree's nodes,
-        which were written at slots `[base, base + len(parents))`); return the slot moves that put
-        node `path[j]` at slot `base + j`, and truncate to `base + len(path)`.
+        which were written at slots `[base, base + len(parents))`); return the block copies and
+        slot moves that put node `path[j]` at slot `base + j`, and truncate to `base + len(path)`.
 
-        Moves run in order: a target `base + j` never equals a later source, since a path node's
-        index is at least its depth. Raises ValueError, changing nothing, for a bad path.
+        A target block another owner shares (a fork taken after the tree was written) is copied
+        first (copy-on-write), so no other sequence sees the moves. Moves run in order: a target
+        `base + j` never equals a later source, since a path node's index is at least its depth.
+        Raises ValueError for a bad tree or path and OutOfBlocksError when a copy finds no free
+        block, changing nothing either way.
         """
         self._check_open()
-        if base + len(parents) > self.num_tokens:
+        if base < 0 or base + len(parents) > self.num_tokens:
             raise ValueError(
                 f"tree of {len(parents)} nodes at {base} exceeds the {self.num_tokens} slots written"
             )
         validate_path(parents, path)
-        moves = [
-            SlotMove(self.slot(base + node), self.slot(base + depth))
-            for depth, node in enumerate(path)
-            if node != depth
-        ]
+        moved = [(depth, node) for depth, node in enumerate(path) if node != depth]
+        target_blocks = sorted({(base + depth) // self.block_size for depth, _ in moved})
+        shared = [i for i in target_blocks if self.pool.ref_count(self.table[i]) > 1]
+        if not self.pool.can_allocate(len(shared)):
+            raise OutOfBlocksError(
+                f"compaction needs {len(shared)} blocks to copy, {self.pool.num_free} free"
+            )
+        copies = []
+        for position, target in zip(shared, self.pool.allocate(len(shared)), strict=True):
+            copies.append(BlockCopy(self.table[position], target))
+            self.pool.free([self.table[position]])
+            self.table[position] = target
+        moves = [SlotMove(self.slot(base + node), self.slot(base + depth)) for depth, node in moved]
         self.truncate(base + len(path))
-        return moves
+        return Compaction(copies, moves)
 
     def release(self) -> None:
         """Drop this sequence's reference to every block (once)."""
@@ -157,8 +176,20 @@ class SequenceBlocks:
             raise ValueError("this sequence's blocks were released")
 
 
+def validate_tree(parents: Sequence[int]) -> None:
+    """Each node's parent is an earlier node or -1 (the committed prefix): no cycles, no forward links."""
+    for node, parent in enumerate(parents):
+        if not -1 <= parent < node:
+            raise ValueError(
+                f"tree node {node} has parent {parent}: parents must come before their children "
+                "(-1 for the committed prefix)"
+            )
+
+
 def validate_path(parents: Sequence[int], path: Sequence[int]) -> None:
-    """`path` must start at a child of the committed prefix and follow parent → child links."""
+    """`parents` must be a valid tree and `path` must start at a child of the committed prefix
+    and follow parent → child links."""
+    validate_tree(parents)
     previous = -1
     for node in path:
         if not 0 <= node < len(parents):
@@ -171,4 +202,12 @@ def validate_path(parents: Sequence[int], path: Sequence[int]) -> None:
         previous = node
 
 
-__all__ = ["BlockCopy", "OutOfBlocksError", "SequenceBlocks", "SlotMove", "validate_path"]
+__all__ = [
+    "BlockCopy",
+    "Compaction",
+    "OutOfBlocksError",
+    "SequenceBlocks",
+    "SlotMove",
+    "validate_path",
+    "validate_tree",
+]

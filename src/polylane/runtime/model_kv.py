@@ -164,8 +164,9 @@ class ModelKV:
         pending = sequence.pending
         if pending is None:
             raise ValueError("no verified tree to accept on this sequence")
-        moves = sequence.blocks.compact(pending.base, pending.parents, path)
-        self.cache.move_slots(moves)
+        compaction = sequence.blocks.compact(pending.base, pending.parents, path)
+        self.cache.copy_blocks(compaction.copies)
+        self.cache.move_slots(compaction.moves)
         sequence.token_ids.extend(pending.token_ids[node] for node in path)
         sequence.pending = None
 

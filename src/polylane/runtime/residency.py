@@ -121,6 +121,7 @@ class ResidencyManager:
     ) -> None:
         self.block_size = block_size
         self.quiet = quiet
+        _keep_large_allocations_returnable()
         self._pool = ResidencyPool(budget_bytes)
         self._specs: dict[str, ModelSpec] = {}
         self._load_seconds = 0.0
@@ -298,6 +299,21 @@ class ResidencyManager:
             loads=state.loads,
             load_seconds=handle.load_seconds if handle is not None else None,
         )
+
+
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def _keep_large_allocations_returnable() -> None:
+    """Give every allocation of 1 MiB or more its own mapping, returned to the OS when freed.
+
+    glibc raises its mmap threshold after large blocks are freed (up to 32 MiB), and from then on
+    weight tensors come from the heap, where an unload cannot hand them back: measured on Qwen
+    0.5B bf16, RSS stayed 686 MiB above its pre-load level after a second load/unload, against
+    72 MiB with the threshold fixed. Setting it also stops the dynamic adjustment.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
 
 
 def _return_freed_memory() -> None:
