@@ -90,3 +90,80 @@ class SequenceChunk:
     def context_len(self) -> int:
         """Tokens of KV the sequence holds once this chunk is written."""
         return self.num_cached + len(self.token_ids)
+
+
+# ---------------------------------------------------------------------- the engine's step
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass(frozen=True)
+class PrefillWork:
+    """Compute up to `max_tokens` more prompt tokens of one request (a chunk of its prefill).
+
+    The runner starts where the request's KV ends (a prefix-cache hit may skip ahead); the chunk
+    that reaches the end of the prompt also samples the request's first token.
+    """
+
+    request_id: int
+    model: str
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one engine step does: the scheduler's whole decision, handed to the runner.
+
+    prefill: prompt chunks, for any models that hold a lease (several models may prefill).
+    decode_model / decode: the one model that owns the decode lane this step and every one of its
+    requests that decodes a token (continuous batching). Never more than one model.
+    close: requests whose KV (if any) is to be let go without caching, with why: "abort" (the
+    client gave up) or "error" (e.g. its model failed to load), and a message.
+    acquire / release: models whose lease the engine should take (load if needed) / give back.
+    """
+
+    step: int
+    prefill: tuple[PrefillWork, ...] = ()
+    decode_model: str | None = None
+    decode: tuple[int, ...] = ()
+    close: tuple[tuple[int, str, str], ...] = ()
+    acquire: tuple[str, ...] = ()
+    release: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.decode and self.decode_model is None:
+            raise ValueError("decode requests need a decode_model")
+        ids = [w.request_id for w in self.prefill] + list(self.decode)
+        if len(set(ids)) != len(ids):
+            raise ValueError("a request appears twice in one step")
+
+    @property
+    def has_forward(self) -> bool:
+        return bool(self.prefill or self.decode)
+
+    @property
+    def is_idle(self) -> bool:
+        return not (self.prefill or self.decode or self.close or self.acquire or self.release)
+
+
+@dataclass
+class StepResult:
+    """What the runner did with a `StepPlan` (and the engine's output check added to it).
+
+    computed: request → tokens of KV it holds after the step (prefix-cache hits included).
+    tokens: request → the token sampled this step (first token after prefill, or a decode token).
+    cached: request → prompt tokens served from the prefix cache, when its KV was opened this step.
+    preempted: requests whose KV was dropped for want of blocks; they prefill again (recompute).
+    failed: request → error message (its KV is already let go).
+    finished: request → "stop" | "length" (set by the engine: EOS, a stop string, max_tokens).
+    free_blocks: model → KV blocks free or evictable after the step.
+    """
+
+    step: int
+    computed: dict[int, int] = field(default_factory=dict)
+    tokens: dict[int, int] = field(default_factory=dict)
+    cached: dict[int, int] = field(default_factory=dict)
+    preempted: list[int] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+    finished: dict[int, str] = field(default_factory=dict)
+    free_blocks: dict[str, int] = field(default_factory=dict)

@@ -117,20 +117,24 @@ def _gguf_tensors(
         yield hf_name, torch.from_numpy(array)
 
 
+def _gguf_config(file: GGUFFile) -> tuple[type, Any, ModelConfig]:
+    arch = str(file.metadata["general.architecture"])
+    if arch not in ARCHITECTURES:
+        raise LoadError(
+            f"{file.path}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+        )
+    model_class, module = ARCHITECTURES[arch]
+    try:
+        return model_class, module, module.config_from_gguf(file.metadata)
+    except (KeyError, ValueError, TypeError) as error:
+        raise LoadError(f"{file.path}: incomplete {arch} header ({error})") from None
+
+
 def load_gguf(path: str | Path, dtype: str | torch.dtype = "fp32", progress: bool = False) -> LoadedWeights:
     """Dequantise a GGUF file into our decoder; `progress` shows a bar on stderr."""
     path = Path(path)
     file = _open_gguf(path)
-    arch = str(file.metadata["general.architecture"])
-    if arch not in ARCHITECTURES:
-        raise LoadError(
-            f"{path}: architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
-        )
-    model_class, module = ARCHITECTURES[arch]
-    try:
-        config = module.config_from_gguf(file.metadata)
-    except (KeyError, ValueError, TypeError) as error:
-        raise LoadError(f"{path}: incomplete {arch} header ({error})") from None
+    model_class, module, config = _gguf_config(file)
     tensors = _gguf_tensors(file, module, config, progress)
     model = _build(model_class, config, parse_dtype(dtype), tensors, path)
     return LoadedWeights(config, model, _parameter_bytes(model))
@@ -139,10 +143,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype = "fp32", progress: boo
 # ---------------------------------------------------------------- Hugging Face folders
 
 
-def load_hf_folder(path: str | Path, dtype: str | torch.dtype = "fp32") -> LoadedWeights:
-    from safetensors import safe_open
-
-    path = Path(path)
+def _hf_config(path: Path) -> tuple[type, ModelConfig]:
     try:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as error:
@@ -155,9 +156,16 @@ def load_hf_folder(path: str | Path, dtype: str | torch.dtype = "fp32") -> Loade
         )
     model_class, module = ARCHITECTURES[arch]
     try:
-        config = module.config_from_hf(cfg)
+        return model_class, module.config_from_hf(cfg)
     except (KeyError, ValueError, TypeError) as error:
         raise LoadError(f"{path}: config.json is incomplete or unsupported ({error})") from None
+
+
+def load_hf_folder(path: str | Path, dtype: str | torch.dtype = "fp32") -> LoadedWeights:
+    from safetensors import safe_open
+
+    path = Path(path)
+    model_class, config = _hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise LoadError(f"{path}: no *.safetensors files")
@@ -189,6 +197,16 @@ def load_weights(
         return load_gguf(path, dtype, progress)
     if format == "hf":
         return load_hf_folder(path, dtype)
+    raise ValueError(f"unknown model format {format!r}")
+
+
+def read_config(path: str | Path, format: str) -> ModelConfig:
+    """The model's shape from its header or config.json alone (no tensor is read)."""
+    path = Path(path)
+    if format == "gguf":
+        return _gguf_config(_open_gguf(path))[2]
+    if format == "hf":
+        return _hf_config(path)[1]
     raise ValueError(f"unknown model format {format!r}")
 
 

@@ -1,0 +1,504 @@
+"""The engine: many models, one decode lane, requests streamed as they decode.
+
+What this module owns: the request lifecycle (submit → stream → finish), the engine thread and its
+loop, model registration (tokenizer and context length known before any weights load), loading
+models in the background through the `ResidencyManager`, and turning sampled tokens into text
+(EOS, stop strings, max_tokens). The decisions are the `Scheduler`'s, the tensors the `Runner`'s:
+
+    plan = scheduler.schedule(); result = runner.execute(plan); deliver(plan, result);
+    scheduler.update(plan, result)
+
+Everything else reaches the loop through a thread-safe inbox (submits, aborts, finished loads), so
+the engine thread alone touches the scheduler, the runner and the models' KV. Each request gets a
+`RequestHandle` to iterate (sync or async) and to abort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from polylane import catalog
+from polylane.engine_stats import EngineStats, StatsRecorder
+from polylane.policy.residency import NoRoomError, ResidencyError
+from polylane.policy.scheduler import Scheduler, SchedulerConfig
+from polylane.policy.stop_strings import StopStringMatcher
+from polylane.runtime.detokenizer import IncrementalDetokenizer
+from polylane.runtime.loader import read_config
+from polylane.runtime.residency import DEFAULT_KV_TOKENS, ModelLease, ResidencyManager
+from polylane.runtime.runner import Runner
+from polylane.runtime.tokenizer import ChatTemplateError, Tokenizer, load_tokenizer
+from polylane.types import SamplingParams, StepPlan, StepResult
+
+log = logging.getLogger(__name__)
+
+
+class UnknownModelError(LookupError):
+    """A request named a model the engine does not serve."""
+
+    def __init__(self, model: str, served: Sequence[str]) -> None:
+        self.model, self.served = model, tuple(served)
+        super().__init__(f"model {model!r} is not served here (served: {', '.join(served) or 'none'})")
+
+
+class RequestTooLongError(ValueError):
+    """The prompt plus max_tokens do not fit the model's context (or its KV pool)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (closed, or an internal error); no request can be served."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    budget_bytes: int
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    block_size: int = 16
+    quiet: bool = True  # no progress bars while loading
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """A registered model: what the engine knows before (and without) loading its weights."""
+
+    name: str
+    source: str
+    dtype: str
+    pinned: bool
+    max_context: int
+    kv_tokens: int
+    tokenizer: Tokenizer = field(repr=False)
+
+    @property
+    def max_request_tokens(self) -> int:
+        return min(self.max_context, self.kv_tokens)
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """A piece of one request's output: new text and tokens; the last event has `finish_reason`."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class Completion:
+    """A finished request, as `RequestHandle.result()` returns it."""
+
+    request_id: int
+    model: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # stop | length | abort | error
+    error: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_seconds: float | None
+    tpot_seconds: float | None  # mean seconds per output token after the first
+
+
+class RequestHandle:
+    """One submitted request: iterate it (or `async for`) for `StreamEvent`s, or call `result()`."""
+
+    def __init__(self, engine: Engine, request_id: int, model: str, prompt_ids: list[int]) -> None:
+        self.id = request_id
+        self.model = model
+        self.prompt_ids = prompt_ids
+        self._engine = engine
+        self._events: list[StreamEvent] = []
+        self._done = threading.Event()
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self.cached_tokens = 0
+        self.submitted_at = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def abort(self) -> None:
+        """Stop this request at the next step; its KV is freed and never cached."""
+        self._engine.abort(self.id)
+
+    def __iter__(self) -> Iterator[StreamEvent]:
+        index = 0
+        while True:
+            with self._cond:
+                while index >= len(self._events):
+                    self._cond.wait()
+                event = self._events[index]
+            index += 1
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[StreamEvent]:
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        with self._cond:
+            self._waiters.append((loop, wake))
+        try:
+            index = 0
+            while True:
+                with self._cond:
+                    pending = self._events[index:]
+                index += len(pending)
+                for event in pending:
+                    yield event
+                    if event.finish_reason is not None:
+                        return
+                await wake.wait()
+                wake.clear()
+        finally:
+            with self._cond:
+                self._waiters.remove((loop, wake))
+
+    def result(self, timeout: float | None = None) -> Completion:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        text = "".join(e.text for e in self._events)
+        tokens = [t for e in self._events for t in e.token_ids]
+        last = self._events[-1]
+        ttft = self.first_token_at - self.submitted_at if self.first_token_at is not None else None
+        tpot = None
+        if self.first_token_at is not None and self.last_token_at is not None and len(tokens) > 1:
+            tpot = (self.last_token_at - self.first_token_at) / (len(tokens) - 1)
+        return Completion(
+            self.id, self.model, text, tokens, last.finish_reason or "error", last.error,
+            len(self.prompt_ids), self.cached_tokens, ttft, tpot,
+        )
+
+    def _push(self, event: StreamEvent) -> None:
+        with self._cond:
+            self._events.append(event)
+            self._cond.notify_all()
+            waiters = list(self._waiters)
+        for loop, wake in waiters:
+            loop.call_soon_threadsafe(wake.set)
+        if event.finish_reason is not None:
+            self._done.set()
+
+
+@dataclass
+class _Output:
+    """The engine thread's per-request text state."""
+
+    handle: RequestHandle
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher
+    stop_ids: frozenset[int]
+    generated: int = 0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, manager: ResidencyManager | None = None) -> None:
+        self.config = config
+        self.manager = manager or ResidencyManager(
+            config.budget_bytes, block_size=config.block_size, quiet=config.quiet
+        )
+        self.scheduler = Scheduler(config.scheduler)
+        self.runner = Runner()
+        self.stats_recorder = StatsRecorder()
+        self._models: dict[str, ServedModel] = {}
+        self._outputs: dict[int, _Output] = {}
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._ids = itertools.count(1)
+        self._submit_lock = threading.Lock()
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polylane-load")
+        self._stopping = False
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="polylane-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ models
+
+    def add_model(
+        self,
+        name: str,
+        source: str | None = None,
+        *,
+        dtype: str = "fp32",
+        pinned: bool = False,
+        kv_tokens: int = DEFAULT_KV_TOKENS,
+    ) -> ServedModel:
+        """Serve a model (catalogue name or local path; fetched now if missing, loaded on first use)."""
+        if name in self._models:
+            raise ValueError(f"model {name!r} is already registered")
+        resolved = catalog.resolve(source or name, quiet=self.config.quiet)
+        model_config = read_config(resolved.path, resolved.format)
+        tokenizer = load_tokenizer(resolved)
+        kv_tokens = min(kv_tokens, model_config.max_context)
+        self.manager.register(name, source or name, dtype, pinned, kv_tokens)
+        served = ServedModel(
+            name, source or name, dtype, pinned, model_config.max_context, kv_tokens, tokenizer
+        )
+        self._models[name] = served
+        self._inbox.put(("model", name))
+        self._wake.set()
+        return served
+
+    @property
+    def models(self) -> dict[str, ServedModel]:
+        return dict(self._models)
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(
+        self,
+        model: str,
+        prompt: str | Sequence[int] | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+    ) -> RequestHandle:
+        """Queue a request (a prompt string, token ids, or chat messages); returns its handle.
+
+        Raises before anything is queued: UnknownModelError, ChatTemplateError (no template),
+        ValueError (empty prompt, token ids out of range), RequestTooLongError (with both counts).
+        """
+        if self.error is not None or self._stopping:
+            raise EngineDeadError(self.error or "the engine is closed")
+        served = self._models.get(model)
+        if served is None:
+            raise UnknownModelError(model, list(self._models))
+        params = params or SamplingParams()
+        prompt_ids = self._prompt_ids(served, prompt, messages)
+        needed = len(prompt_ids) + params.max_tokens
+        if needed > served.max_context:
+            raise RequestTooLongError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {needed} "
+                f"tokens exceeds the context length of {model!r} ({served.max_context} tokens)"
+            )
+        if needed > served.kv_tokens:
+            raise RequestTooLongError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {needed} "
+                f"tokens exceeds the KV cache of {model!r} ({served.kv_tokens} tokens)"
+            )
+        with self._submit_lock:
+            handle = RequestHandle(self, next(self._ids), model, prompt_ids)
+            self._inbox.put(("submit", (handle, params, priority)))
+        self._wake.set()
+        return handle
+
+    def generate(
+        self, model: str, prompt: str | Sequence[int], params: SamplingParams | None = None
+    ) -> Completion:
+        return self.submit(model, prompt, params=params).result()
+
+    def abort(self, request_id: int) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        return self.stats_recorder.snapshot(
+            self.scheduler.counters, self.runner.monitor, self.manager.counters(), self._prefix_stats()
+        )
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def close(self) -> None:
+        """Stop the loop; unfinished requests end with `abort`; models are unloaded."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join()
+        self._loader.shutdown(wait=True)
+        self.manager.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the loop
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                plan = self.scheduler.schedule()
+                if plan.is_idle:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                self._start_loads(plan.acquire)
+                started = time.perf_counter()
+                result = self.runner.execute(plan)
+                self._deliver(plan, result)
+                self.stats_recorder.step(plan, result, time.perf_counter() - started)
+                self.scheduler.update(plan, result)
+        except Exception as error:  # a bug in the loop: fail every request loudly, never hang
+            log.exception("engine loop failed")
+            self.error = f"engine loop failed: {type(error).__name__}: {error}"
+        finally:
+            self._shutdown()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                handle, params, priority = payload
+                self._accept(handle, params, priority)
+            elif kind == "abort":
+                if self.scheduler.abort(payload, "abort"):
+                    pass  # the plan's close ends the stream
+            elif kind == "model":
+                self.scheduler.register_model(payload)
+            elif kind == "loaded":
+                self._model_loaded(*payload)
+
+    def _accept(self, handle: RequestHandle, params: SamplingParams, priority: int) -> None:
+        served = self._models[handle.model]
+        self._outputs[handle.id] = _Output(
+            handle,
+            params,
+            IncrementalDetokenizer(served.tokenizer),
+            StopStringMatcher(params.stop),
+            served.tokenizer.stop_token_ids,
+        )
+        self.runner.add(handle.id, handle.model, handle.prompt_ids, params)
+        self.scheduler.add(handle.id, handle.model, len(handle.prompt_ids), priority)
+        self.stats_recorder.submitted(handle.model)
+
+    def _start_loads(self, names: Sequence[str]) -> None:
+        for name in names:
+            self._loader.submit(self._load, name)
+
+    def _load(self, name: str) -> None:
+        """Loader thread: acquire a lease (loading the model if needed) and tell the loop."""
+        try:
+            lease: ModelLease | Exception = self.manager.acquire(name)
+        except Exception as error:  # reported to the loop; the model's requests get the error
+            lease = error
+        self._inbox.put(("loaded", (name, lease)))
+        self._wake.set()
+
+    def _model_loaded(self, name: str, lease: ModelLease | Exception) -> None:
+        if isinstance(lease, NoRoomError):
+            self.scheduler.model_blocked(name, str(lease))
+        elif isinstance(lease, Exception):
+            message = str(lease) if isinstance(lease, ResidencyError | RuntimeError) else repr(lease)
+            self.scheduler.model_failed(name, message)
+        elif self._stopping:
+            lease.release()
+        else:
+            self.runner.attach(lease)
+            self.scheduler.model_ready(name, self.runner.free_blocks(name), lease.kv.block_size)
+
+    def _deliver(self, plan: StepPlan, result: StepResult) -> None:
+        """Hand tokens to their streams; decide EOS / stop string / length; end finished requests."""
+        for request_id, reason, message in plan.close:
+            self._end(request_id, reason, message or None)
+        for request_id, message in result.failed.items():
+            self._end(request_id, "error", message)
+        now = time.perf_counter()
+        for request_id, cached in result.cached.items():
+            output = self._outputs.get(request_id)
+            if output is not None and output.generated == 0:
+                output.handle.cached_tokens = cached
+        for request_id, token in result.tokens.items():
+            output = self._outputs[request_id]
+            handle = output.handle
+            output.generated += 1
+            if handle.first_token_at is None:
+                handle.first_token_at = now
+                self.stats_recorder.first_token(handle.model, now - handle.submitted_at)
+            handle.last_token_at = now
+            reason = None
+            if token in output.stop_ids:
+                text, reason = output.stops.flush(), "stop"
+            else:
+                text = output.stops.push(output.detokenizer.push(token))
+                if output.stops.stopped:
+                    reason = "stop"
+                elif output.generated >= output.params.max_tokens:
+                    text, reason = text + output.stops.flush(), "length"
+            if reason is None:
+                handle._push(StreamEvent(text, (token,)))
+                continue
+            result.finished[request_id] = reason
+            self.runner.finish(request_id, cache=True)
+            self._end(request_id, reason, None, text, (token,))
+
+    def _end(
+        self, request_id: int, reason: str, error: str | None, text: str = "", tokens: tuple[int, ...] = ()
+    ) -> None:
+        output = self._outputs.pop(request_id, None)
+        if output is None:
+            return
+        self.runner.finish(request_id, cache=False)
+        handle = output.handle
+        self.stats_recorder.finished(handle.model, reason, output.generated, handle)
+        handle._push(StreamEvent(text, tokens, reason, error))
+
+    def _shutdown(self) -> None:
+        reason = "error" if self.error else "abort"
+        message = self.error or "the engine was closed"
+        while True:  # requests still in the inbox
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "submit":
+                payload[0]._push(StreamEvent("", (), reason, message))
+            elif kind == "loaded" and not isinstance(payload[1], Exception):
+                payload[1].release()
+        for request_id in list(self._outputs):
+            self._end(request_id, reason, message)
+        self.runner.detach_all()
+
+    def _prefix_stats(self) -> dict[str, Any]:
+        out = {}
+        for name, lease in list(self.runner.leases.items()):
+            stats = lease.kv.stats()
+            if stats is not None:
+                out[name] = stats
+        return out
+
+    @staticmethod
+    def _prompt_ids(
+        served: ServedModel, prompt: str | Sequence[int] | None, messages: list[dict[str, str]] | None
+    ) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        tokenizer = served.tokenizer
+        if messages is not None:
+            if not tokenizer.has_chat_template:
+                raise ChatTemplateError(
+                    f"model {served.name!r} has no chat template (a base model): use completions"
+                )
+            ids = tokenizer.render_chat(messages)
+        elif isinstance(prompt, str):
+            ids = tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]  # type: ignore[union-attr]
+            bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"token id {bad[0]} is out of range for {served.name!r} (vocabulary of "
+                    f"{tokenizer.vocab_size})"
+                )
+        if not ids:
+            raise ValueError("the prompt is empty (it has no tokens)")
+        return ids

@@ -1,0 +1,183 @@
+"""StepPlan → forward passes → sampled tokens → StepResult: the tensor side of an engine step.
+
+What this module owns: the leases the engine holds on resident models, each running request's
+tokens, sampler and KV sequence, and the execution of one plan. Per model touched by the plan,
+one forward pass runs its prefill chunks (and, for the lane owner, one decode token of each of its
+requests) through `ModelKV.forward`; rows that end a prompt or decode are sampled.
+
+A decode forward runs inside `LaneMonitor.enter/exit`, so the number of models decoding at once is
+counted where it happens. When a model's KV pool cannot hold the step, the newest request of that
+forward is preempted (its KV, valid as far as it goes, enters the prefix cache and is dropped;
+the scheduler sends it back to prefill: recompute) and the forward is retried with the rest. Any
+other failure of a forward fails the requests in it, with the error, and nothing else: the other
+models' forwards in the step and the engine go on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from polylane.policy.blocks import OutOfBlocksError
+from polylane.policy.lane import LaneMonitor
+from polylane.runtime.model_kv import Extend, KVSequence, ModelKV
+from polylane.runtime.residency import ModelLease
+from polylane.runtime.sampler import RequestSampler, sample_rows
+from polylane.types import SamplingParams, StepPlan, StepResult
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class RunningRequest:
+    id: int
+    model: str
+    prompt_ids: tuple[int, ...]
+    sampler: RequestSampler
+    generated: list[int] = field(default_factory=list)
+    kv: KVSequence | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (first open)
+
+    def prefill_tokens(self) -> tuple[int, ...]:
+        """The tokens to prefill: the prompt, and after a preemption what was generated too."""
+        return self.prompt_ids + tuple(self.generated)
+
+
+@dataclass
+class _Work:
+    request: RunningRequest
+    extend: Extend
+
+
+class Runner:
+    def __init__(self, monitor: LaneMonitor | None = None) -> None:
+        self.monitor = monitor or LaneMonitor()
+        self.leases: dict[str, ModelLease] = {}
+        self.requests: dict[int, RunningRequest] = {}
+
+    # ------------------------------------------------------------------ leases and requests
+
+    def attach(self, lease: ModelLease) -> None:
+        if lease.name in self.leases:
+            lease.release()  # already held: keep one lease per model
+            return
+        self.leases[lease.name] = lease
+
+    def detach(self, name: str) -> None:
+        if any(r.model == name and r.kv is not None for r in self.requests.values()):
+            raise RuntimeError(f"model {name!r} still has KV in use; it cannot be released")
+        lease = self.leases.pop(name, None)
+        if lease is not None:
+            lease.release()
+
+    def detach_all(self) -> None:
+        for request_id in list(self.requests):
+            self.finish(request_id, cache=False)
+        for name in list(self.leases):
+            self.detach(name)
+
+    def add(self, request_id: int, model: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        self.requests[request_id] = RunningRequest(
+            request_id, model, tuple(prompt_ids), RequestSampler(params)
+        )
+
+    def finish(self, request_id: int, *, cache: bool) -> None:
+        """Forget a request; its KV enters the prefix cache only with `cache` (completed requests)."""
+        request = self.requests.pop(request_id, None)
+        if request is not None and request.kv is not None:
+            self._kv(request.model).close(request.kv, cache=cache)
+            request.kv = None
+
+    def free_blocks(self, model: str) -> int:
+        kv = self._kv(model)
+        evictable = kv.tree.num_evictable_blocks if kv.tree is not None else 0
+        return kv.pool.num_free + evictable
+
+    def kv_capacity_tokens(self, model: str) -> int:
+        kv = self._kv(model)
+        return kv.pool.num_blocks * kv.block_size
+
+    # ------------------------------------------------------------------ one step
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        result = StepResult(plan.step)
+        for request_id, _reason, _message in plan.close:
+            self.finish(request_id, cache=False)
+        by_model: dict[str, list[tuple[RunningRequest, int | None]]] = {}
+        for work in plan.prefill:
+            by_model.setdefault(work.model, []).append((self.requests[work.request_id], work.max_tokens))
+        for request_id in plan.decode:
+            by_model.setdefault(plan.decode_model, []).append((self.requests[request_id], None))  # type: ignore[arg-type]
+        for model, items in by_model.items():
+            decoding = model == plan.decode_model and bool(plan.decode)
+            if decoding:
+                self.monitor.enter(model)
+            try:
+                self._run_model(model, items, result)
+            finally:
+                if decoding:
+                    self.monitor.exit(model)
+        for model in plan.release:
+            self.detach(model)
+        for model in self.leases:
+            result.free_blocks[model] = self.free_blocks(model)
+        return result
+
+    def _run_model(
+        self, model: str, items: list[tuple[RunningRequest, int | None]], result: StepResult
+    ) -> None:
+        kv = self._kv(model)
+        work = [self._extend(kv, request, chunk, result) for request, chunk in items]
+        while work:
+            try:
+                logits = kv.forward([w.extend for w in work])
+                break
+            except OutOfBlocksError:
+                victim = max(work, key=lambda w: w.request.id)
+                work.remove(victim)
+                self._preempt(kv, victim.request, result)
+            except Exception as error:  # a broken forward fails its own requests, nothing else
+                log.exception("forward of %s failed", model)
+                message = f"model {model!r} failed in a forward pass: {type(error).__name__}: {error}"
+                for w in work:
+                    result.failed[w.request.id] = message
+                    self.finish(w.request.id, cache=False)
+                return
+        else:
+            return
+        sampled = [w for w in work if w.extend.logits != "none"]
+        tokens = sample_rows(logits, [w.request.sampler for w in sampled]) if sampled else []
+        for w, token in zip(sampled, tokens, strict=True):
+            w.request.generated.append(token)
+            result.tokens[w.request.id] = token
+        for w in work:
+            result.computed[w.request.id] = w.request.kv.num_tokens  # type: ignore[union-attr]
+
+    def _extend(self, kv: ModelKV, request: RunningRequest, chunk: int | None, result: StepResult) -> _Work:
+        if chunk is None:  # decode: the last sampled token goes in, the next comes out
+            assert request.kv is not None
+            return _Work(request, Extend(request.kv, (request.generated[-1],)))
+        target = request.prefill_tokens()
+        if request.kv is None:
+            request.kv = kv.open(target)
+            result.cached[request.id] = request.kv.cached_tokens
+            if not request.generated:
+                request.cached_tokens = request.kv.cached_tokens
+        done = request.kv.num_tokens
+        end = min(len(target), done + chunk)
+        logits = "last" if end == len(target) else "none"
+        return _Work(request, Extend(request.kv, target[done:end], logits=logits))
+
+    def _preempt(self, kv: ModelKV, request: RunningRequest, result: StepResult) -> None:
+        if request.kv is not None:
+            kv.close(request.kv, cache=True)
+            request.kv = None
+        result.preempted.append(request.id)
+        log.info("preempted request %d of %s (KV full); it will prefill again", request.id, request.model)
+
+    def _kv(self, model: str) -> ModelKV:
+        lease = self.leases.get(model)
+        if lease is None:
+            raise RuntimeError(f"model {model!r} holds no lease in the runner")
+        return lease.kv
