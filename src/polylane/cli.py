@@ -1,5 +1,6 @@
-"""The `polylane` command: list models, generate text.
+"""The `polylane` command: serve models, list them, generate text.
 
+polylane serve [MODEL ...]           the OpenAI-compatible server (default model when none given)
 polylane models                      the catalogue, with size and whether each is cached
 polylane generate MODEL PROMPT       stream a completion to the terminal
 """
@@ -83,11 +84,64 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from polylane.server import config as server_config
+    from polylane.server.app import serve
+
+    file_data = server_config.load_config_file(args.config) if args.config else {}
+    unknown = set(file_data) - {"budget", "api_key", "host", "port", "lane_policy", "models"}
+    if unknown:
+        raise server_config.ConfigError(f"{args.config}: unknown settings {sorted(unknown)}")
+    pinned = set(args.pin or [])
+    models = server_config.models_from_file(file_data, args.config) if args.config else []
+    models += [server_config.model_decl(spec, pinned) for spec in args.models]
+    if not models:
+        models = [server_config.model_decl(catalog.DEFAULT_MODEL, pinned)]
+    declared = {m.name for m in models} | {a for m in models for a in m.aliases}
+    for name in pinned - declared - {m.source for m in models}:
+        raise server_config.ConfigError(f"--pin {name}: not one of the served models")
+    if args.dtype:
+        models = [
+            server_config.ModelDecl(m.name, m.source, args.dtype, m.pinned, m.aliases, m.kv_tokens)
+            for m in models
+        ]
+    server_config.check_names(models)
+    budget = args.budget or str(file_data.get("budget", "auto"))
+    config = server_config.ServerConfig(
+        models=tuple(models),
+        budget_bytes=server_config.parse_size(budget),
+        host=args.host or str(file_data.get("host", "127.0.0.1")),
+        port=args.port or int(file_data.get("port", 8000)),
+        api_key=args.api_key or file_data.get("api_key") or os.environ.get("POLYLANE_API_KEY") or None,
+        lane_policy=args.lane_policy or str(file_data.get("lane_policy", "throughput")),
+    )
+    serve(config)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="polylane", description="Host many models, share the prefill, decode one."
     )
     commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API")
+    serve.add_argument(
+        "models", nargs="*", help=f"catalogue names or paths (default: {catalog.DEFAULT_MODEL})"
+    )
+    serve.add_argument("--config", help="TOML file declaring models (dtype, pinned, aliases) and limits")
+    serve.add_argument("--budget", help="memory budget: bytes, a size like 6GiB, or auto (half of free RAM)")
+    serve.add_argument("--pin", action="append", help="never evict this model for room (repeatable)")
+    serve.add_argument("--dtype", choices=["fp32", "bf16"], help="weight dtype for every model")
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--api-key", help="require this key on every route but /health ($POLYLANE_API_KEY)")
+    serve.add_argument(
+        "--lane-policy", choices=["fcfs", "round-robin", "priority", "throughput"], help="decode lane policy"
+    )
+    serve.set_defaults(run=_cmd_serve)
 
     models = commands.add_parser("models", help="list the model catalogue")
     models.set_defaults(run=_cmd_models)

@@ -129,9 +129,9 @@ class RequestHandle:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def abort(self) -> None:
+    def abort(self, reason: str = "abort") -> None:
         """Stop this request at the next step; its KV is freed and never cached."""
-        self._engine.abort(self.id)
+        self._engine.abort(self.id, reason)
 
     def __iter__(self) -> Iterator[StreamEvent]:
         index = 0
@@ -278,7 +278,7 @@ class Engine:
         if served is None:
             raise UnknownModelError(model, list(self._models))
         params = params or SamplingParams()
-        prompt_ids = self._prompt_ids(served, prompt, messages)
+        prompt_ids = self.prompt_ids(model, prompt, messages)
         needed = len(prompt_ids) + params.max_tokens
         if needed > served.max_context:
             raise RequestTooLongError(
@@ -301,8 +301,9 @@ class Engine:
     ) -> Completion:
         return self.submit(model, prompt, params=params).result()
 
-    def abort(self, request_id: int) -> None:
-        self._inbox.put(("abort", request_id))
+    def abort(self, request_id: int, reason: str = "abort") -> None:
+        """End a request at the next step with `reason` ("abort", or "deadline"); KV freed, not cached."""
+        self._inbox.put(("abort", (request_id, reason)))
         self._wake.set()
 
     def stats(self) -> EngineStats:
@@ -361,8 +362,7 @@ class Engine:
                 handle, params, priority = payload
                 self._accept(handle, params, priority)
             elif kind == "abort":
-                if self.scheduler.abort(payload, "abort"):
-                    pass  # the plan's close ends the stream
+                self.scheduler.abort(*payload)  # the next plan's close ends the stream
             elif kind == "model":
                 self.scheduler.register_model(payload)
             elif kind == "loaded":
@@ -426,7 +426,7 @@ class Engine:
                 self.stats_recorder.first_token(handle.model, now - handle.submitted_at)
             handle.last_token_at = now
             reason = None
-            if token in output.stop_ids:
+            if token in output.stop_ids and not output.params.ignore_eos:
                 text, reason = output.stops.flush(), "stop"
             else:
                 text = output.stops.push(output.detokenizer.push(token))
@@ -476,10 +476,17 @@ class Engine:
                 out[name] = stats
         return out
 
-    @staticmethod
-    def _prompt_ids(
-        served: ServedModel, prompt: str | Sequence[int] | None, messages: list[dict[str, str]] | None
+    def prompt_ids(
+        self,
+        model: str,
+        prompt: str | Sequence[int] | None = None,
+        messages: list[dict[str, str]] | None = None,
     ) -> list[int]:
+        """The token ids a request would run: a prompt string encoded, token ids checked against
+        the vocabulary, or chat messages rendered with the model's template."""
+        served = self._models.get(model)
+        if served is None:
+            raise UnknownModelError(model, list(self._models))
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt and messages")
         tokenizer = served.tokenizer

@@ -18,6 +18,7 @@ class SamplingParams:
     seed: a request with the same seed and the same inputs produces the same tokens.
     max_tokens: the most tokens to generate.
     stop: strings that end generation; they are never part of the output.
+    ignore_eos: keep generating past the model's end-of-sequence tokens (for benchmarks).
     """
 
     temperature: float = 0.0
@@ -27,6 +28,7 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 256
     stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
@@ -94,7 +96,7 @@ class SequenceChunk:
 
 # ---------------------------------------------------------------------- the engine's step
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = ("stop", "length", "abort", "deadline", "error")
 
 
 @dataclass(frozen=True)

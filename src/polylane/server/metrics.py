@@ -1,0 +1,155 @@
+"""`GET /metrics`: Prometheus text, every name prefixed `polylane_`.
+
+What this module owns: the server's histograms (TTFT and TPOT per model, observed as requests
+finish) and a collector that reads the engine at scrape time: per-model residency state and
+bytes, lane share and decode steps, requests by finish reason, generated tokens, evictions by
+cause, prefix-cache hits, the observed most models decoding at once, and the admission queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from polylane.engine import Completion, Engine
+    from polylane.server.admission import Admission
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_STATES = ("cold", "loading", "resident")
+
+
+class _EngineCollector:
+    def __init__(self, engine: Engine, admission: Admission) -> None:
+        self.engine, self.admission = engine, admission
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats()
+        snapshot = self.engine.manager.snapshot()
+        state = GaugeMetricFamily(
+            "polylane_model_state", "1 for the model's residency state", labels=["model", "state"]
+        )
+        size = GaugeMetricFamily(
+            "polylane_model_bytes", "bytes a model counts against the budget", labels=["model"]
+        )
+        pinned = GaugeMetricFamily("polylane_model_pinned", "1 when the model is pinned", labels=["model"])
+        in_flight = GaugeMetricFamily(
+            "polylane_model_in_flight", "leases held on the model", labels=["model"]
+        )
+        for info in snapshot:
+            for name in _STATES:
+                state.add_metric([info.name, name], 1.0 if info.state == name else 0.0)
+            size.add_metric([info.name], info.bytes)
+            pinned.add_metric([info.name], 1.0 if info.pinned else 0.0)
+            in_flight.add_metric([info.name], info.in_flight)
+        yield from (state, size, pinned, in_flight)
+
+        counters = stats.residency.pool
+        yield GaugeMetricFamily(
+            "polylane_budget_bytes", "the residency byte budget", value=counters.budget_bytes
+        )
+        yield GaugeMetricFamily(
+            "polylane_used_bytes", "bytes of loading and resident models", value=counters.used_bytes
+        )
+        evictions = CounterMetricFamily("polylane_evictions", "models evicted, by cause", labels=["cause"])
+        for cause, count in counters.evictions_by_cause.items():
+            evictions.add_metric([cause], count)
+        yield evictions
+        yield CounterMetricFamily(
+            "polylane_residency_hits", "acquires of a resident model", value=counters.hits
+        )
+        yield CounterMetricFamily(
+            "polylane_residency_misses", "acquires that loaded a model", value=counters.misses
+        )
+        yield CounterMetricFamily(
+            "polylane_page_in_seconds", "seconds spent loading models", value=stats.residency.load_seconds
+        )
+
+        lane = GaugeMetricFamily(
+            "polylane_lane_share", "share of decode steps owned by the model", labels=["model"]
+        )
+        lane_steps = CounterMetricFamily(
+            "polylane_lane_steps", "decode steps owned by the model", labels=["model"]
+        )
+        requests = CounterMetricFamily("polylane_requests", "requests submitted", labels=["model"])
+        finished = CounterMetricFamily(
+            "polylane_requests_finished", "requests ended", labels=["model", "reason"]
+        )
+        tokens = CounterMetricFamily("polylane_generation_tokens", "tokens generated", labels=["model"])
+        prefix = GaugeMetricFamily(
+            "polylane_prefix_hit_rate", "prompt tokens served from the prefix cache", labels=["model"]
+        )
+        prefix_tokens = CounterMetricFamily(
+            "polylane_prefix_hit_tokens", "prompt tokens served from cache", labels=["model"]
+        )
+        for name, model in stats.models.items():
+            lane.add_metric([name], model.lane_share)
+            lane_steps.add_metric([name], model.lane_steps)
+            requests.add_metric([name], model.requests)
+            tokens.add_metric([name], model.output_tokens)
+            prefix.add_metric([name], model.prefix_hit_rate)
+            prefix_tokens.add_metric([name], model.prefix_matched_tokens)
+            for reason, count in model.finished.items():
+                finished.add_metric([name, reason], count)
+        yield from (lane, lane_steps, requests, finished, tokens, prefix, prefix_tokens)
+
+        yield CounterMetricFamily("polylane_steps", "engine steps", value=stats.steps)
+        yield CounterMetricFamily(
+            "polylane_decode_steps", "engine steps with a decode batch", value=stats.decode_steps
+        )
+        yield CounterMetricFamily("polylane_lane_switches", "decode lane owner changes", value=stats.switches)
+        yield CounterMetricFamily(
+            "polylane_preemptions", "requests preempted for KV room", value=stats.preemptions
+        )
+        yield GaugeMetricFamily(
+            "polylane_max_concurrent_decode",
+            "most models ever observed inside a decode step at once (the lane invariant: 1)",
+            value=stats.max_concurrent_decode,
+        )
+        yield GaugeMetricFamily(
+            "polylane_decode_batch_mean", "mean requests per decode step", value=stats.decode_tokens_per_step
+        )
+        yield GaugeMetricFamily(
+            "polylane_queue_requests", "unfinished requests admitted", value=self.admission.requests
+        )
+        yield GaugeMetricFamily(
+            "polylane_queue_tokens", "tokens reserved by unfinished requests", value=self.admission.tokens
+        )
+        yield CounterMetricFamily(
+            "polylane_queue_refused", "requests refused with 429", value=self.admission.refused
+        )
+        yield GaugeMetricFamily(
+            "polylane_engine_alive", "1 while the engine loop runs", value=1.0 if self.engine.alive else 0.0
+        )
+
+
+class ServerMetrics:
+    def __init__(self, engine: Engine, admission: Admission) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine, admission))  # type: ignore[arg-type]
+        self.ttft = Histogram(
+            "polylane_ttft_seconds",
+            "time to first token",
+            ["model"],
+            registry=self.registry,
+            buckets=_LATENCY_BUCKETS,
+        )
+        self.tpot = Histogram(
+            "polylane_tpot_seconds",
+            "time per output token after the first",
+            ["model"],
+            registry=self.registry,
+            buckets=_LATENCY_BUCKETS,
+        )
+
+    def observe(self, completion: Completion) -> None:
+        if completion.ttft_seconds is not None:
+            self.ttft.labels(completion.model).observe(completion.ttft_seconds)
+        if completion.tpot_seconds is not None:
+            self.tpot.labels(completion.model).observe(completion.tpot_seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,251 @@
+"""The OpenAI wire format: request bodies (validated by pydantic) and response builders.
+
+What this module owns: every field polylane accepts on `/v1/completions` and
+`/v1/chat/completions`, its type and range (a bad value is a 400 naming the field, raised by
+pydantic before anything reaches the engine), the conversion to `SamplingParams`, and the JSON
+shapes of responses and streamed chunks. Fields OpenAI defines that polylane does not implement
+(logprobs, echo, penalties, tools, …) are refused with a 400 naming them rather than ignored.
+Unknown extra fields are ignored, as OpenAI's own clients send some.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from polylane.types import SamplingParams
+
+MAX_STOP_STRINGS = 4
+MAX_STOP_LENGTH = 256
+
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+_UNSUPPORTED = (
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "suffix",
+    "tools",
+    "response_format",
+)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Annotated[str, Field(min_length=1, max_length=256)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = 0  # 0 or -1: off (vLLM's convention)
+    min_p: Probability = 0.0
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    stop: str | list[str] | None = None
+    n: Annotated[int, Field(ge=1)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    priority: Annotated[int, Field(ge=-100, le=100)] = 0
+    user: Annotated[str, Field(max_length=256)] | None = None
+    # Defined by OpenAI, not implemented here: a request that sets them is refused, not ignored.
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    logit_bias: Any = None
+    best_of: Any = None
+    suffix: Any = None
+    tools: Any = None
+    response_format: Any = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        stops = [value] if isinstance(value, str) else value
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s or len(s) > MAX_STOP_LENGTH for s in stops):
+            raise ValueError(f"stop strings must have 1 to {MAX_STOP_LENGTH} characters")
+        return stops
+
+    @field_validator(*_UNSUPPORTED)
+    @classmethod
+    def _unsupported(cls, value: Any) -> Any:
+        if value in (None, False, 0, "", [], {}, {"type": "text"}):
+            return value
+        raise ValueError("is not supported by polylane (leave it unset)")
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, value: Any) -> Any:
+        if value in (None, 1):
+            return value
+        raise ValueError("is not supported by polylane (only 1)")
+
+    def sampling_params(self, max_tokens: int, seed: int | None = None) -> SamplingParams:
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=max(0, self.top_k),
+            top_p=self.top_p,
+            min_p=self.min_p,
+            seed=self.seed if seed is None else seed,
+            max_tokens=max_tokens,
+            stop=tuple(self.stop or ()),
+            ignore_eos=self.ignore_eos,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+    )
+
+    @property
+    def prompt_input(self) -> str | list[int]:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+            return self.prompt[0]  # type: ignore[return-value]
+        return self.prompt  # type: ignore[return-value]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    @model_validator(mode="after")
+    def _content(self) -> ChatCompletionRequest:
+        if not any(m.text() for m in self.messages):
+            raise ValueError("messages are all empty")
+        return self
+
+    def plain_messages(self) -> list[dict[str, str]]:
+        role = {"developer": "system"}
+        return [{"role": role.get(m.role, m.role), "content": m.text()} for m in self.messages]
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class BudgetRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    bytes: Annotated[int, Field(ge=0, le=2**50)]
+
+
+# ---------------------------------------------------------------------- responses
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_body(
+    request_id: str, model: str, choices: list[dict[str, Any]], usage_: dict[str, Any], chat: bool
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage_,
+    }
+
+
+def choice(index: int, text: str, finish_reason: str | None, chat: bool) -> dict[str, Any]:
+    if chat:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": finish_reason,
+            "logprobs": None,
+        }
+    return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+
+
+def chunk_body(
+    request_id: str, model: str, index: int, text: str, finish_reason: str | None, chat: bool, first: bool
+) -> dict[str, Any]:
+    if chat:
+        delta: dict[str, Any] = {"content": text}
+        if first:
+            delta["role"] = "assistant"
+        piece = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+    else:
+        piece = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [piece],
+    }
+
+
+def usage_chunk(request_id: str, model: str, usage_: dict[str, Any], chat: bool) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": usage_,
+    }
+
+
+def error_body_gone() -> dict[str, Any]:
+    """The body of a response nobody reads: the client disconnected before the request ended."""
+    return {
+        "error": {
+            "message": "client closed the request",
+            "type": "client_closed",
+            "param": None,
+            "code": None,
+        }
+    }

@@ -1,0 +1,266 @@
+"""`/v1/models`, `/v1/completions`, `/v1/chat/completions`: OpenAI's routes over the engine.
+
+What this module owns: turning a validated request into engine submissions (one per choice, `n`),
+the checks that need the model (context length with both counts, chat template present), the
+admission reservation (429 when full), the per-request deadline, streaming as OpenAI's SSE chunks
+ending with `data: [DONE]`, and aborting at the next engine step when the client goes away
+(streaming or not), so its KV is freed and never cached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from polylane.engine import (
+    Completion,
+    EngineDeadError,
+    RequestHandle,
+    RequestTooLongError,
+    StreamEvent,
+    UnknownModelError,
+)
+from polylane.runtime.tokenizer import ChatTemplateError
+from polylane.server import protocol
+from polylane.server.admission import QueueFullError
+from polylane.server.errors import ApiError, error_body
+from polylane.server.state import ServerState
+
+router = APIRouter()
+STARTED = int(time.time())
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.polylane
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    state = server_state(request)
+    served = state.engine.models
+    data = []
+    for info in state.engine.manager.snapshot():
+        model = served.get(info.name)
+        if model is None:
+            continue
+        data.append(
+            {
+                "id": info.name,
+                "object": "model",
+                "created": STARTED,
+                "owned_by": "polylane",
+                "state": info.state,
+                "bytes": info.bytes,
+                "pinned": info.pinned,
+                "in_flight": info.in_flight,
+                "dtype": info.dtype,
+                "max_context": model.max_context,
+                "chat": model.tokenizer.has_chat_template,
+                "aliases": state.aliases_of(info.name),
+            }
+        )
+    return {"object": "list", "data": data}
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(body: protocol.CompletionRequest, request: Request) -> Any:
+    return await _serve(request, body, chat=False)
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: protocol.ChatCompletionRequest, request: Request) -> Any:
+    return await _serve(request, body, chat=True)
+
+
+async def _serve(
+    request: Request, body: protocol.CompletionRequest | protocol.ChatCompletionRequest, chat: bool
+) -> Any:
+    state = server_state(request)
+    limits = state.limits
+    model = state.resolve(body.model)
+    if body.n > limits.max_n:
+        raise ApiError(400, f"n: at most {limits.max_n} choices per request, got {body.n}", param="n")
+    prompt_ids = await run_in_threadpool(_prompt_ids, state, model, body, chat)
+    served = state.engine.models[model]
+    requested = body.requested_max_tokens if chat else body.max_tokens  # type: ignore[union-attr]
+    room = served.max_request_tokens - len(prompt_ids)
+    if requested is None and room < 1:
+        raise ApiError(
+            400,
+            f"the prompt has {len(prompt_ids)} tokens; {model!r} holds at most {served.max_request_tokens}",
+            param="messages" if chat else "prompt",
+            code="context_length_exceeded",
+        )
+    max_tokens = requested if requested is not None else min(limits.max_tokens_default, room)
+    reserved = body.n * (len(prompt_ids) + max_tokens)
+    try:
+        state.admission.reserve(reserved)
+    except QueueFullError as error:
+        raise ApiError(429, str(error), code="queue_full", headers={"Retry-After": "1"}) from None
+    try:
+        handles = await run_in_threadpool(_submit, state, model, prompt_ids, body, max_tokens)
+    except BaseException:
+        state.admission.release(reserved)
+        raise
+    timer = asyncio.get_running_loop().call_later(
+        limits.request_timeout_s, lambda: [h.abort("deadline") for h in handles if not h.done]
+    )
+    request_id = protocol.new_id("chatcmpl" if chat else "cmpl")
+
+    def finish() -> None:
+        timer.cancel()
+        for handle in handles:
+            if not handle.done:
+                handle.abort()
+        state.admission.release(reserved)
+
+    if body.stream:
+        return StreamingResponse(
+            _stream(state, request_id, body, handles, chat, finish),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    try:
+        completions = await _wait(request, handles)
+    finally:
+        finish()
+    if completions is None:  # the client went away; nobody reads a response
+        return JSONResponse(protocol.error_body_gone(), status_code=499)
+    for completion in completions:
+        state.metrics.observe(completion)
+    failed = next((c for c in completions if c.finish_reason == "error"), None)
+    if failed is not None:
+        raise ApiError(503, failed.error or "the model failed", code="model_unavailable")
+    choices = [protocol.choice(i, c.text, c.finish_reason, chat) for i, c in enumerate(completions)]
+    usage = protocol.usage(
+        len(prompt_ids), sum(len(c.token_ids) for c in completions), completions[0].cached_tokens
+    )
+    return protocol.completion_body(request_id, body.model, choices, usage, chat)
+
+
+def _prompt_ids(state: ServerState, model: str, body: Any, chat: bool) -> list[int]:
+    try:
+        if chat:
+            return state.engine.prompt_ids(model, messages=body.plain_messages())
+        return state.engine.prompt_ids(model, body.prompt_input)
+    except ChatTemplateError:
+        raise ApiError(
+            400,
+            f"model {model!r} has no chat template (a base model), so it is completion-only: "
+            "send a prompt to /v1/completions",
+            param="messages",
+            code="no_chat_template",
+        ) from None
+    except UnknownModelError as error:
+        raise ApiError(404, str(error), param="model", code="model_not_found") from None
+    except ValueError as error:
+        raise ApiError(400, str(error), param="messages" if chat else "prompt") from None
+
+
+def _submit(
+    state: ServerState, model: str, prompt_ids: list[int], body: Any, max_tokens: int
+) -> list[RequestHandle]:
+    handles: list[RequestHandle] = []
+    try:
+        for index in range(body.n):
+            seed = None if body.seed is None else body.seed + index
+            params = body.sampling_params(max_tokens, seed)
+            handles.append(state.engine.submit(model, prompt_ids, params=params, priority=body.priority))
+    except RequestTooLongError as error:
+        raise ApiError(400, str(error), param="max_tokens", code="context_length_exceeded") from None
+    except EngineDeadError as error:
+        raise ApiError(503, str(error), code="engine_dead") from None
+    except ValueError as error:
+        raise ApiError(400, str(error)) from None
+    finally:
+        if len(handles) < body.n:
+            for handle in handles:
+                handle.abort()
+    return handles
+
+
+async def _collect(handle: RequestHandle) -> Completion:
+    async for _ in handle:
+        pass
+    return handle.result(timeout=0)
+
+
+async def _wait(request: Request, handles: list[RequestHandle]) -> list[Completion] | None:
+    """All choices' completions, or None if the client disconnected first (then they are aborted)."""
+    gathered = asyncio.ensure_future(asyncio.gather(*(_collect(h) for h in handles)))
+    try:
+        while True:
+            done, _ = await asyncio.wait({gathered}, timeout=0.25)
+            if done:
+                return gathered.result()
+            if await request.is_disconnected():
+                for handle in handles:
+                    handle.abort()
+                return None
+    finally:
+        if not gathered.done():
+            gathered.cancel()
+
+
+async def _events(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, StreamEvent]]:
+    if len(handles) == 1:
+        async for event in handles[0]:
+            yield 0, event
+        return
+    merged: asyncio.Queue[tuple[int, StreamEvent]] = asyncio.Queue()
+
+    async def pump(index: int, handle: RequestHandle) -> None:
+        async for event in handle:
+            await merged.put((index, event))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        remaining = len(handles)
+        while remaining:
+            index, event = await merged.get()
+            if event.finish_reason is not None:
+                remaining -= 1
+            yield index, event
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _stream(
+    state: ServerState, request_id: str, body: Any, handles: list[RequestHandle], chat: bool, finish: Any
+) -> AsyncIterator[str]:
+    try:
+        started = [False] * len(handles)
+        error: str | None = None
+        async for index, event in _events(handles):
+            if event.finish_reason == "error":
+                error = event.error or "the model failed"
+            if not event.text and event.finish_reason is None:
+                continue
+            chunk = protocol.chunk_body(
+                request_id, body.model, index, event.text, event.finish_reason, chat, not started[index]
+            )
+            started[index] = True
+            yield f"data: {json.dumps(chunk)}\n\n"
+        completions = [h.result(timeout=0) for h in handles]
+        for completion in completions:
+            state.metrics.observe(completion)
+        if error is not None:
+            yield f"data: {json.dumps(error_body(503, error, None, 'model_unavailable'))}\n\n"
+        if body.include_usage:
+            usage = protocol.usage(
+                len(handles[0].prompt_ids),
+                sum(len(c.token_ids) for c in completions),
+                completions[0].cached_tokens,
+            )
+            yield f"data: {json.dumps(protocol.usage_chunk(request_id, body.model, usage, chat))}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        finish()  # the client may be gone: abort what still runs, give the reservation back

@@ -1,0 +1,45 @@
+"""What every route shares: the engine, the limits, the name registry, admission and metrics.
+
+Model names a client sends are resolved here, through the registry of declared names and aliases,
+never used as paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from polylane.engine import Engine
+from polylane.server.admission import Admission
+from polylane.server.config import Limits
+from polylane.server.errors import ApiError
+from polylane.server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    limits: Limits
+    api_key: str | None = None
+    aliases: dict[str, str] = field(default_factory=dict)  # alias → served model name
+    admission: Admission = field(init=False)
+    metrics: ServerMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.admission = Admission(self.limits.max_waiting_requests, self.limits.max_waiting_tokens)
+        self.metrics = ServerMetrics(self.engine, self.admission)
+
+    def resolve(self, name: str) -> str:
+        served = self.engine.models
+        canonical = self.aliases.get(name, name)
+        if canonical not in served:
+            names = sorted([*served, *self.aliases])
+            raise ApiError(
+                404,
+                f"model {name[:100]!r} does not exist here; served models: {', '.join(names) or 'none'}",
+                param="model",
+                code="model_not_found",
+            )
+        return canonical
+
+    def aliases_of(self, name: str) -> list[str]:
+        return sorted(alias for alias, target in self.aliases.items() if target == name)
