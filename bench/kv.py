@@ -86,8 +86,10 @@ def bench_ttft(model: Any, repeats: int) -> dict[str, Any]:
         token_cold, seconds, _ = first_token(cold, prompt)
         cold_ms.append(seconds * 1000)
         same_token &= token_warm == token_cold
-        progress(f"  ttft repeat {repeat + 1}/{repeats}: warm {warm_ms[-1]:.1f} ms ({hit} cached), "
-                 f"cold {cold_ms[-1]:.1f} ms")
+        progress(
+            f"  ttft repeat {repeat + 1}/{repeats}: warm {warm_ms[-1]:.1f} ms ({hit} cached), "
+            f"cold {cold_ms[-1]:.1f} ms"
+        )
     return {
         "ttft_warm_ms": statistics.median(warm_ms),
         "ttft_cold_ms": statistics.median(cold_ms),
@@ -131,8 +133,10 @@ def bench_verify(model: Any, repeats: int) -> dict[str, Any]:
             started = time.perf_counter()
             run()
             timings[name].append((time.perf_counter() - started) * 1000)
-        progress(f"  verify repeat {repeat + 1}/{repeats}: "
-                 + ", ".join(f"{name} {values[-1]:.1f} ms" for name, values in timings.items()))
+        progress(
+            f"  verify repeat {repeat + 1}/{repeats}: "
+            + ", ".join(f"{name} {values[-1]:.1f} ms" for name, values in timings.items())
+        )
     kv.close(sequence, cache=False)
     median = {name: statistics.median(values) for name, values in timings.items()}
     return {
@@ -178,8 +182,19 @@ def main() -> None:
     print(f"\nFirst token identical warm and cold: {ttft['first_token_same_warm_and_cold']}\n")
     load = list(os.getloadavg())
     print(f"Load average (1, 5 min) after the run: {load[0]:.2f}, {load[1]:.2f}\n")
-    print(json.dumps({"model": model.name, "dtype": args.dtype, "threads": args.threads,
-                      "repeats": args.repeats, "load_average": load[:2], **ttft, **verify}))
+    print(
+        json.dumps(
+            {
+                "model": model.name,
+                "dtype": args.dtype,
+                "threads": args.threads,
+                "repeats": args.repeats,
+                "load_average": load[:2],
+                **ttft,
+                **verify,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

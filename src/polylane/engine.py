@@ -177,19 +177,27 @@ class RequestHandle:
         if self.first_token_at is not None and self.last_token_at is not None and len(tokens) > 1:
             tpot = (self.last_token_at - self.first_token_at) / (len(tokens) - 1)
         return Completion(
-            self.id, self.model, text, tokens, last.finish_reason or "error", last.error,
-            len(self.prompt_ids), self.cached_tokens, ttft, tpot,
+            self.id,
+            self.model,
+            text,
+            tokens,
+            last.finish_reason or "error",
+            last.error,
+            len(self.prompt_ids),
+            self.cached_tokens,
+            ttft,
+            tpot,
         )
 
     def _push(self, event: StreamEvent) -> None:
         with self._cond:
             self._events.append(event)
+            if event.finish_reason is not None:
+                self._done.set()  # before any waiter wakes: result(timeout=0) then sees it done
             self._cond.notify_all()
             waiters = list(self._waiters)
         for loop, wake in waiters:
             loop.call_soon_threadsafe(wake.set)
-        if event.finish_reason is not None:
-            self._done.set()
 
 
 @dataclass
@@ -502,8 +510,9 @@ class Engine:
             ids = [int(t) for t in prompt]  # type: ignore[union-attr]
             bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
             if bad:
+                shown = str(bad[0]) if len(str(bad[0])) <= 24 else f"{str(bad[0])[:20]}…"
                 raise ValueError(
-                    f"token id {bad[0]} is out of range for {served.name!r} (vocabulary of "
+                    f"token id {shown} is out of range for {served.name!r} (vocabulary of "
                     f"{tokenizer.vocab_size})"
                 )
         if not ids:

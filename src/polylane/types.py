@@ -6,12 +6,16 @@ from dataclasses import dataclass, field
 
 from polylane.policy.sequence_blocks import validate_tree
 
+# Below this a temperature samples as greedy does: dividing logits by, say, 1e-300 overflows the
+# sampler's floats to inf and NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-4
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its next token.
 
-    temperature: 0 means greedy (argmax); otherwise logits are divided by it before softmax.
+    temperature: 0 (or below 1e-4) means greedy (argmax); otherwise logits are divided by it
+        before softmax.
     top_k: keep only the k most likely tokens (0 = off).
     top_p: keep the smallest set of tokens whose probability sums to at least top_p (1.0 = off).
     min_p: drop tokens whose probability is below min_p × the top token's probability (0 = off).
@@ -48,7 +52,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 @dataclass(frozen=True)

@@ -223,3 +223,28 @@ def test_a_model_that_fails_to_load_fails_only_its_requests(tmp_path):
         assert "vanishing" in (result.error or "")
         assert served.result(timeout=120).finish_reason == "length"
         assert engine.alive
+
+
+def test_a_sampler_that_fails_fails_only_its_request(monkeypatch):
+    from polylane.runtime.sampler import RequestSampler
+
+    real_sample = RequestSampler.sample
+
+    def fragile(self, logits):  # fault injection: one seed's sampler breaks
+        if self.params.seed == 666:
+            raise RuntimeError("injected sampling fault")
+        return real_sample(self, logits)
+
+    monkeypatch.setattr(RequestSampler, "sample", fragile)
+    with Engine(EngineConfig(budget_bytes=4 * 2**30)) as engine:
+        engine.add_model(SMOL, dtype=DTYPE, kv_tokens=KV_TOKENS)
+        broken = engine.submit(
+            SMOL, PROMPTS[0], params=SamplingParams(temperature=0.8, seed=666, max_tokens=8)
+        )
+        fine = engine.submit(SMOL, PROMPTS[1], params=SamplingParams(temperature=0.8, seed=1, max_tokens=8))
+        failed, served = broken.result(timeout=120), fine.result(timeout=120)
+        assert failed.finish_reason == "error" and "injected sampling fault" in (failed.error or "")
+        assert served.finish_reason == "length" and len(served.token_ids) == 8
+        assert broken.done and broken.result(timeout=0).finish_reason == "error"
+        assert engine.alive
+        _assert_blocks_returned(engine)

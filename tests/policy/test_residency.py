@@ -1,24 +1,29 @@
 """ResidencyPool: hand cases for every rule, and a stateful property test against a reference model
 (plain dicts and an LRU list) that checks, after every step, the budget, pins, in-flight models,
-refused operations (the pool unchanged), the victims and their order, and the counters.
+refused operations (the pool unchanged), the victims and their order, and the counters; the
+property test runs once per eviction policy ("lru" and "cost").
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from polylane.policy.residency import (
     COLD,
+    DEFAULT_RELOAD_BYTES_PER_SECOND,
     LOADING,
     RESIDENT,
     Eviction,
     ModelBusyError,
+    ModelState,
     NoRoomError,
     PinnedError,
     ResidencyError,
@@ -27,8 +32,8 @@ from polylane.policy.residency import (
 )
 
 
-def pool_with(budget: int, **sizes: int) -> ResidencyPool:
-    pool = ResidencyPool(budget)
+def pool_with(budget: int, eviction: str = "lru", **sizes: int) -> ResidencyPool:
+    pool = ResidencyPool(budget, eviction=eviction)
     for name, size in sizes.items():
         pool.register(name, size)
     return pool
@@ -49,7 +54,7 @@ def states(pool: ResidencyPool) -> dict[str, str]:
 
 def frozen(pool: ResidencyPool) -> tuple[object, ...]:
     """Everything observable about the pool, for before/after comparisons."""
-    return (pool.snapshot(), pool.counters(), pool.budget_bytes, pool.used_bytes, pool.clock)
+    return (pool.snapshot(), pool.counters(), pool.budget_bytes, pool.used_bytes, pool.clock, pool.inflation)
 
 
 # ---------------------------------------------------------------------- LRU
@@ -389,16 +394,153 @@ def test_validate_names_the_broken_invariant() -> None:
         pool.validate()
 
 
+# ---------------------------------------------------------------------- cost-aware eviction
+
+
+def test_cost_aware_keeps_a_small_model_that_is_slow_to_reload_where_lru_drops_it() -> None:
+    """small takes 10 s to reload for 20 bytes, big 1 s for 60: evicting big loses less."""
+    evicted = {}
+    for eviction in ("lru", "cost"):
+        pool = ResidencyPool(100, eviction=eviction)
+        pool.register("small", 20, reload_seconds=10.0)
+        pool.register("big", 60, reload_seconds=1.0)
+        pool.register("new", 40, reload_seconds=1.0)
+        load(pool, "small")
+        load(pool, "big")  # small is now the least recently used
+        evicted[eviction] = load(pool, "new")
+        pool.validate()
+    assert evicted == {"lru": ["small"], "cost": ["big"]}
+
+
+def test_cost_aware_priority_is_inflation_plus_frequency_times_seconds_per_byte() -> None:
+    pool = ResidencyPool(100, eviction="cost")
+    pool.register("small", 20, reload_seconds=10.0)
+    pool.register("big", 60, reload_seconds=1.0)
+    pool.register("new", 40, reload_seconds=4.0)
+    load(pool, "small")
+    load(pool, "big")
+    load(pool, "small")  # a hit: frequency 2
+    assert [(s.frequency, s.priority) for s in pool.snapshot()] == [(2, 2 * 10 / 20), (1, 1 / 60), (0, 0.0)]
+    assert pool.eviction == "cost" and pool.inflation == 0.0
+    [eviction] = pool.begin_load("new")
+    assert eviction == Eviction("big", 60, "room", "handle-big")
+    assert pool.inflation == 1 / 60  # L rises to the evicted model's priority
+    assert pool.state("new").priority == 1 / 60 + 4.0 / 40  # the new model is stamped above L
+    pool.validate()
+
+
+def test_cost_aware_with_equal_reload_speed_and_no_hits_evicts_like_lru() -> None:
+    victims = {}
+    for eviction in ("lru", "cost"):
+        pool = pool_with(100, eviction, a=30, b=30, c=30, d=50)
+        for name in ("c", "a", "b"):
+            load(pool, name)  # reload cost unknown: the same default speed for every model
+        victims[eviction] = pool.plan_admit("d")
+    assert victims == {"lru": ["c", "a"], "cost": ["c", "a"]}
+
+
+def test_cost_aware_keeps_a_frequently_used_model_that_lru_would_evict() -> None:
+    victims = {}
+    for eviction in ("lru", "cost"):
+        pool = pool_with(100, eviction, a=40, b=40, c=40)
+        for name in ("a", "a", "a", "b"):  # a: one load and two hits, then b
+            load(pool, name)
+        victims[eviction] = load(pool, "c")
+    assert victims == {"lru": ["a"], "cost": ["b"]}
+
+
+def test_inflation_ages_a_model_that_is_no_longer_used() -> None:
+    """a was hot once; while b and c take turns, every eviction raises L until a is the victim."""
+    pool = ResidencyPool(100, eviction="cost")
+    for name in ("a", "b", "c"):
+        pool.register(name, 40, reload_seconds=5.0)  # 1/8 s per byte: exact binary fractions
+    for name in ("a", "a", "a"):
+        load(pool, name)
+    assert pool.state("a").priority == 3 / 8
+    load(pool, "b")  # H 1/8
+    assert load(pool, "c") == ["b"] and pool.inflation == 1 / 8  # c: H 1/8 + 1/8
+    assert load(pool, "b") == ["c"] and pool.inflation == 2 / 8  # b: H 2/8 + 1/8, ties with a
+    assert load(pool, "c") == ["a"] and pool.inflation == 3 / 8  # the tie goes to the older: a
+    pool.validate()
+
+
+def test_cost_aware_keeps_pins_in_flight_and_all_or_nothing() -> None:
+    pool = pool_with(100, "cost", a=50, b=30, c=40)
+    pool.set_reload_cost("b", 100.0)  # the most expensive per byte: the last choice
+    pool.pin("a")
+    load(pool, "a")
+    load(pool, "b")
+    pool.acquire("b")
+    before = frozen(pool)
+    with pytest.raises(NoRoomError, match=r"a \(50 bytes, pinned\).*b \(30 bytes, 1 in flight\)"):
+        pool.begin_load("c")
+    assert frozen(pool) == before
+    pool.release("b")
+    assert load(pool, "c") == ["b"]  # the only victim left, however costly
+    pool.validate()
+
+
+def test_budget_evictions_raise_inflation_explicit_ones_do_not() -> None:
+    pool = ResidencyPool(100, eviction="cost")
+    pool.register("a", 10, reload_seconds=1.0)
+    pool.register("b", 10, reload_seconds=5.0)
+    load(pool, "a")
+    load(pool, "b")
+    pool.evict("b")
+    assert pool.inflation == 0.0
+    load(pool, "b")
+    assert [e.name for e in pool.set_budget(10)] == ["a"] and pool.inflation == 1.0 / 10
+    pool.validate()
+
+
+def test_a_new_reload_cost_takes_effect_at_the_next_touch() -> None:
+    pool = pool_with(100, "cost", a=40, b=40, c=40)
+    load(pool, "a")
+    load(pool, "b")
+    pool.set_reload_cost("a", 8.0)  # a measured load time, as the runtime feeds it
+    assert pool.state("a").reload_seconds == 8.0
+    assert pool.state("a").priority == 1 / DEFAULT_RELOAD_BYTES_PER_SECOND  # not yet
+    assert pool.plan_admit("c") == ["a"]
+    pool.acquire("a")
+    pool.release("a")
+    assert pool.state("a").priority == 8.0 / 40
+    assert pool.plan_admit("c") == ["b"]
+
+
+def test_cost_options_are_checked() -> None:
+    with pytest.raises(ResidencyError, match="eviction must be one of lru, cost; got 'lfu'"):
+        ResidencyPool(100, eviction="lfu")
+    pool = pool_with(100, "cost", a=40)
+    for bad in (-1.0, math.inf, math.nan, "3", True):
+        with pytest.raises(ResidencyError, match="reload cost must be"):
+            pool.set_reload_cost("a", bad)  # type: ignore[arg-type]
+        with pytest.raises(ResidencyError, match="reload cost must be"):
+            pool.register("x", 1, reload_seconds=bad)  # type: ignore[arg-type]
+    assert "x" not in pool and pool.state("a").reload_seconds is None
+    pool.set_reload_cost("a", 3)
+    assert pool.state("a").reload_seconds == 3.0
+    lru = pool_with(100, a=40)
+    load(lru, "a")
+    assert lru.eviction == "lru" and lru.inflation == 0.0 and lru.state("a").priority == 0.0
+
+
 # ---------------------------------------------------------------------- stateful property test
 
 NAMES = ["m0", "m1", "m2", "m3", "m4"]
+RELOAD_SECONDS = st.none() | st.floats(0, 10) | st.sampled_from([0.5, 2.0])  # repeats make ties
 
 
 class Reference:
-    """An obviously correct residency pool: dicts, a set of pins, and a list for LRU order."""
+    """An obviously correct residency pool: dicts, a set of pins, a list for LRU order, and for
+    "cost" eviction a priority per model and the inflation L."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, eviction: str) -> None:
         self.budget = budget
+        self.eviction = eviction
+        self.inflation = 0.0
+        self.cost: dict[str, float | None] = {}
+        self.frequency: dict[str, int] = {}
+        self.priority: dict[str, float] = {}
         self.size: dict[str, int] = {}  # registration order, like the pool's snapshot
         self.state: dict[str, str] = {}
         self.pinned: set[str] = set()
@@ -412,16 +554,40 @@ class Reference:
     def used(self) -> int:
         return sum(self.size[n] for n, s in self.state.items() if s != COLD)
 
+    def view(self, name: str) -> ModelState:
+        """What the pool's snapshot should say of `name` (`last_used` left at 0: LRU order is
+        checked on its own)."""
+        return ModelState(
+            name=name,
+            state=self.state[name],
+            bytes=self.size[name],
+            pinned=name in self.pinned,
+            in_flight=self.flight[name],
+            last_used=0,
+            loads=self.loads[name],
+            reload_seconds=self.cost[name],
+            frequency=self.frequency[name],
+            priority=self.priority[name],
+        )
+
     def touch(self, name: str) -> None:
         if name in self.lru:
             self.lru.remove(name)
         self.lru.append(name)
+        if self.eviction == "cost":
+            cost = self.cost[name]
+            per_byte = 1 / DEFAULT_RELOAD_BYTES_PER_SECOND if cost is None else cost / max(self.size[name], 1)
+            self.priority[name] = self.inflation + self.frequency[name] * per_byte
 
     def victims(self, needed: int, budget: int) -> list[str] | None:
-        """Oldest idle unpinned resident models first, until `needed` more bytes fit."""
+        """Oldest (or, for "cost", lowest priority, then oldest) idle unpinned resident models
+        first, until `needed` more bytes fit."""
         shortfall = self.used() + needed - budget
+        order = list(self.lru)
+        if self.eviction == "cost":
+            order.sort(key=lambda name: self.priority[name])  # stable: ties stay oldest first
         victims, freed = [], 0
-        for name in self.lru:
+        for name in order:
             if freed >= shortfall:
                 break
             if self.state[name] == RESIDENT and name not in self.pinned and not self.flight[name]:
@@ -432,6 +598,8 @@ class Reference:
     def drop(self, names: list[str], cause: str) -> list[Eviction]:
         evictions = []
         for name in names:
+            if self.eviction == "cost" and cause != "explicit":
+                self.inflation = max(self.inflation, self.priority[name])
             evictions.append(Eviction(name, self.size[name], cause, self.handle.pop(name)))
             self.state[name] = COLD
             self.evictions[cause] += 1
@@ -440,12 +608,15 @@ class Reference:
 
 class ResidencyMachine(RuleBasedStateMachine):
     """Random operations, each predicted by the reference first: its outcome (the exact error
-    class, or the result) and the evictions, in order."""
+    class, or the result) and the evictions, in order. LRU eviction; `CostResidencyMachine` below
+    runs the same rules with cost-aware eviction."""
+
+    eviction = "lru"
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = ResidencyPool(100)
-        self.ref = Reference(100)
+        self.pool = ResidencyPool(100, eviction=self.eviction)
+        self.ref = Reference(100, self.eviction)
         self.loads_started = 0
         self.force_evicted: set[str] = set()  # this step
         self.pinned_resident: set[str] = set()  # at the end of the last step
@@ -468,27 +639,39 @@ class ResidencyMachine(RuleBasedStateMachine):
     @initialize(
         sizes=st.lists(st.integers(0, 50), min_size=len(NAMES), max_size=len(NAMES)),
         pins=st.lists(st.booleans(), min_size=len(NAMES), max_size=len(NAMES)),
+        costs=st.lists(RELOAD_SECONDS, min_size=len(NAMES), max_size=len(NAMES)),
     )
-    def register_all(self, sizes: list[int], pins: list[bool]) -> None:
-        for name, size, pinned in zip(NAMES, sizes, pins, strict=True):
-            self.register(name, size, pinned)
+    def register_all(self, sizes: list[int], pins: list[bool], costs: list[float | None]) -> None:
+        for name, size, pinned, cost in zip(NAMES, sizes, pins, costs, strict=True):
+            self.register(name, size, pinned, cost)
 
-    @rule(name=st.sampled_from(NAMES), size=st.integers(0, 50), pinned=st.booleans())
-    def register(self, name: str, size: int, pinned: bool) -> None:
+    @rule(name=st.sampled_from(NAMES), size=st.integers(0, 50), pinned=st.booleans(), cost=RELOAD_SECONDS)
+    def register(self, name: str, size: int, pinned: bool, cost: float | None) -> None:
         expected = ResidencyError if name in self.ref.state else None
-        self.call(expected, self.pool.register, name, size, pinned)
+        self.call(expected, self.pool.register, name, size, pinned, cost)
         if expected is None:
             self.ref.size[name], self.ref.state[name] = size, COLD
-            self.ref.flight[name] = self.ref.loads[name] = 0
+            self.ref.flight[name] = self.ref.loads[name] = self.ref.frequency[name] = 0
+            self.ref.cost[name], self.ref.priority[name] = cost, 0.0
             if pinned:
                 self.ref.pinned.add(name)
+
+    @rule(name=st.sampled_from(NAMES), cost=RELOAD_SECONDS | st.sampled_from([-1.0, math.inf, math.nan]))
+    def set_reload_cost(self, name: str, cost: float | None) -> None:
+        expected = self.lookup_error(name)
+        if cost is not None and not 0 <= cost < math.inf:
+            expected = expected or ResidencyError
+        self.call(expected, self.pool.set_reload_cost, name, cost)
+        if expected is None:
+            self.ref.cost[name] = cost
 
     @rule(name=st.sampled_from(NAMES))
     def unregister(self, name: str) -> None:
         expected = self.lookup_error(name) or (ModelBusyError if self.ref.state[name] != COLD else None)
         self.call(expected, self.pool.unregister, name)
         if expected is None:
-            for table in (self.ref.size, self.ref.state, self.ref.flight, self.ref.loads):
+            ref = self.ref
+            for table in (ref.size, ref.state, ref.flight, ref.loads, ref.cost, ref.frequency, ref.priority):
                 del table[name]
             self.ref.pinned.discard(name)
             if name in self.ref.lru:
@@ -510,12 +693,14 @@ class ResidencyMachine(RuleBasedStateMachine):
         if ref.state[name] == RESIDENT:
             assert evictions == []
             ref.hits += 1
+            ref.frequency[name] += 1
         else:
             assert victims is not None
-            assert evictions == ref.drop(victims, "room"), "evictions differ from the reference's LRU order"
+            assert evictions == ref.drop(victims, "room"), "evictions differ from the reference's order"
             ref.state[name] = LOADING
             ref.size[name] = ref.size[name] if size is None else size
             ref.misses += 1
+            ref.frequency[name] = 1
         ref.touch(name)
 
     @rule(name=st.sampled_from(NAMES), grow=st.integers(-15, 25))
@@ -542,7 +727,7 @@ class ResidencyMachine(RuleBasedStateMachine):
             ref.state[name], ref.size[name] = COLD, actual
             return
         evictions = self.pool.finish_load(name, actual, handle)
-        assert evictions == ref.drop(victims, "room"), "evictions differ from the reference's LRU order"
+        assert evictions == ref.drop(victims, "room"), "evictions differ from the reference's order"
         ref.state[name], ref.size[name], ref.handle[name] = RESIDENT, actual, handle
         ref.loads[name] += 1
         ref.bytes_loaded += actual
@@ -594,7 +779,8 @@ class ResidencyMachine(RuleBasedStateMachine):
             if name in ref.pinned:
                 self.force_evicted.add(name)
 
-    # Two rules aimed at the states that matter most, which random names reach only now and then.
+    # Rules aimed at the states that matter most, which random names reach only now and then: models
+    # in flight, and evictions (loads of cold models, hits that raise a frequency, releases).
 
     @precondition(lambda self: RESIDENT in self.ref.state.values())
     @rule(data=st.data())
@@ -607,6 +793,24 @@ class ResidencyMachine(RuleBasedStateMachine):
     def evict_a_model_in_flight(self, data: st.DataObject, force: bool) -> None:
         names = sorted(n for n, count in self.ref.flight.items() if count)
         self.evict(data.draw(st.sampled_from(names), label="name"), force)
+
+    @precondition(lambda self: COLD in self.ref.state.values())
+    @rule(data=st.data(), grow=st.integers(-15, 25))
+    def load_a_cold_model(self, data: st.DataObject, grow: int) -> None:
+        names = sorted(n for n, s in self.ref.state.items() if s == COLD)
+        self.load(data.draw(st.sampled_from(names), label="name"), grow)
+
+    @precondition(lambda self: RESIDENT in self.ref.state.values())
+    @rule(data=st.data())
+    def hit_a_resident_model(self, data: st.DataObject) -> None:
+        names = sorted(n for n, s in self.ref.state.items() if s == RESIDENT)
+        self.begin_load(data.draw(st.sampled_from(names), label="name"), None)
+
+    @precondition(lambda self: any(self.ref.flight.values()))
+    @rule(data=st.data())
+    def release_a_model_in_flight(self, data: st.DataObject) -> None:
+        names = sorted(n for n, count in self.ref.flight.items() if count)
+        self.release(data.draw(st.sampled_from(names), label="name"))
 
     @rule(budget=st.integers(0, 150))
     def set_budget(self, budget: int) -> None:
@@ -622,11 +826,9 @@ class ResidencyMachine(RuleBasedStateMachine):
         pool.validate()
         assert pool.used_bytes <= pool.budget_bytes == ref.budget
         assert pool.used_bytes == ref.used()
-        seen = [(s.name, s.state, s.bytes, s.pinned, s.in_flight, s.loads) for s in pool.snapshot()]
-        expected = [
-            (n, ref.state[n], ref.size[n], n in ref.pinned, ref.flight[n], ref.loads[n]) for n in ref.size
-        ]
-        assert seen == expected, "snapshot differs from the reference"
+        seen = [dataclasses.replace(state, last_used=0) for state in pool.snapshot()]
+        assert seen == [ref.view(name) for name in ref.size], "snapshot differs from the reference"
+        assert pool.inflation == ref.inflation
         by_recency = sorted((s for s in pool.snapshot() if s.last_used), key=lambda s: s.last_used)
         assert [s.name for s in by_recency] == ref.lru, "LRU order differs from the reference"
         counters = pool.counters()
@@ -642,5 +844,55 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.pinned_resident = {n for n in ref.pinned if ref.state[n] == RESIDENT}
 
 
+class CostResidencyMachine(ResidencyMachine):
+    eviction = "cost"
+
+
 TestResidencyMachine = ResidencyMachine.TestCase
 TestResidencyMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestCostResidencyMachine = CostResidencyMachine.TestCase
+TestCostResidencyMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+REQUEST_OPS = ("request", "request", "request", "hold", "release", "pin", "unpin", "reload_cost", "budget")
+
+
+@pytest.mark.parametrize("machine_class", [ResidencyMachine, CostResidencyMachine], ids=["lru", "cost"])
+@settings(max_examples=100, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 50), min_size=len(NAMES), max_size=len(NAMES)),
+    costs=st.lists(RELOAD_SECONDS, min_size=len(NAMES), max_size=len(NAMES)),
+    steps=st.lists(
+        st.tuples(st.sampled_from(REQUEST_OPS), st.sampled_from(NAMES), st.integers(-15, 25), RELOAD_SECONDS),
+        min_size=1,
+        max_size=60,
+    ),
+)
+def test_request_streams_match_the_reference(
+    machine_class: type[ResidencyMachine],
+    sizes: list[int],
+    costs: list[float | None],
+    steps: list[tuple[str, str, int, float | None]],
+) -> None:
+    """The runtime's usage, which the rule-based machine reaches only now and then: request after
+    request (admit, load, acquire, release), some held in flight, with pins, measured reload costs
+    and budget changes, so that most steps evict. Checked against the reference after every step."""
+    machine = machine_class()
+    machine.register_all(sizes, [False] * len(NAMES), costs)
+    for op, name, grow, cost in steps:
+        if op in ("request", "hold"):
+            machine.load(name, grow)
+            if machine.ref.state[name] == RESIDENT:
+                machine.acquire(name)
+                if op == "request":
+                    machine.release(name)
+        elif op == "release":
+            holders = [n for n, count in machine.ref.flight.items() if count]
+            machine.release(holders[0] if holders else name)
+        elif op in ("pin", "unpin"):
+            machine.pin(name, op == "pin")
+        elif op == "reload_cost":
+            machine.set_reload_cost(name, cost)
+        else:
+            machine.set_budget(60 + grow * 2)
+        machine.matches_the_reference()

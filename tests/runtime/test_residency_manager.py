@@ -95,8 +95,10 @@ def test_unload_returns_memory(record_property):
     assert result.returncode == 0, result.stderr[-2000:]
     numbers = json.loads(result.stdout.strip().splitlines()[-1])
     mib = {key: value / 2**20 for key, value in numbers.items()}
-    print(f"RSS before load {mib['before']:.0f} MiB, loaded {mib['loaded']:.0f} MiB, after unload "
-          f"{mib['after']:.0f} MiB; model {mib['bytes']:.0f} MiB")
+    print(
+        f"RSS before load {mib['before']:.0f} MiB, loaded {mib['loaded']:.0f} MiB, after unload "
+        f"{mib['after']:.0f} MiB; model {mib['bytes']:.0f} MiB"
+    )
     record_property("rss_mib", mib)
     assert mib["loaded"] - mib["before"] > 0.8 * mib["bytes"], "loading did not allocate the model's bytes"
     assert mib["after"] - mib["before"] < 0.1 * mib["bytes"], (

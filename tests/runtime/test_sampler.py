@@ -303,3 +303,12 @@ def test_probabilities_is_a_distribution_that_sample_respects(
     for _ in range(5):
         token = sampler.sample(row)
         assert token in support, f"drew {token} outside support {sorted(support)}"
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-30, 9.9e-5])
+def test_a_vanishing_temperature_samples_greedily_instead_of_overflowing(temperature: float) -> None:
+    logits = _random_logits(3, 50, seed=11)
+    sampler = _sampler(temperature=temperature, seed=3)
+    assert sampler.greedy
+    assert sample_rows(logits, [sampler] * 3) == logits.argmax(dim=-1).tolist()
+    assert [sampler.sample(row) for row in logits] == logits.argmax(dim=-1).tolist()

@@ -10,7 +10,8 @@ Policies see one `LaneCandidate` per model with requests ready to decode:
   models alternate step by step: fairest TPOT, most switches.
 - `round-robin`: the next model after the current owner in registration order.
 - `priority`: the highest request priority; a waiting model ages one level per `aging_steps`
-  steps, so a low-priority model waits at most (priority gap + 1) × aging_steps steps.
+  steps, so a low-priority model waits at most (priority gap + 1) × aging_steps steps, plus one
+  step for each model beyond two (models of equal age and priority take turns ahead of it).
 - `throughput`: the owner keeps the lane for `quantum` steps while it has work, then it goes to
   the fcfs choice among the others. Fewer switches; a model waits at most quantum × (models − 1).
 Every policy is a pure function of the candidates and the lane's recent history.

@@ -1,12 +1,12 @@
-"""Which models are in memory under one byte budget: admission, pinning, in-flight counts, LRU.
+"""Which models are in memory under one byte budget: admission, pinning, in-flight counts, eviction.
 
 What this module owns: every registered model's state (cold → loading → resident → cold), the
-bytes each one counts against the budget, pins, in-flight request counts, the LRU clock, and the
-counters. It holds the runtime's loaded object only as an opaque `handle`, and gives it back in
-the `Eviction` that drops the model, so the runtime can let go of exactly what was evicted. What it
-does not own: loading, bytes in memory, files, time. No I/O, no threads, no torch:
-`runtime.residency` wraps every call in one lock and does the loading between `begin_load` and
-`finish_load` (or `abort_load`).
+bytes each one counts against the budget, pins, in-flight request counts, the LRU clock, the
+eviction priorities, and the counters. It holds the runtime's loaded object only as an opaque
+`handle`, and gives it back in the `Eviction` that drops the model, so the runtime can let go of
+exactly what was evicted. What it does not own: loading, bytes in memory, files, time. No I/O, no
+threads, no torch: `runtime.residency` wraps every call in one lock and does the loading between
+`begin_load` and `finish_load` (or `abort_load`).
 
 States. *cold*: registered, not in memory, counts nothing. *loading*: `begin_load` reserved its
 bytes (counted as used) and the runtime is loading it. *resident*: in memory with its measured bytes
@@ -17,11 +17,8 @@ Rules:
 - Used bytes (loading + resident models) never exceed the budget.
 - *Victims* are resident, unpinned models with no request in flight. Loading models, pinned models
   and models in flight are never evicted to make room, nor by `set_budget`.
-- Victim order: least recently used first, by `last_used` (a logical clock advanced by one on every
-  `begin_load` and `acquire`, never wall time), ties broken by registration order (earlier first).
-  Each tick stamps one model, so two models that were ever admitted never tie; the tie-break only
-  keeps the order total. Victims are taken in that order until enough bytes are free: an older
-  victim is never skipped to spare a bigger one.
+- Victim order depends on the pool's `eviction` policy (below). Victims are taken in that order
+  until enough bytes are free: an earlier victim is never skipped to spare a bigger one.
 - All or nothing: feasibility is decided before anything changes; an operation that raises a
   `ResidencyError` leaves the pool as it was. The one documented exception is `finish_load` when
   the measured model cannot fit: the model goes back to cold (its reservation returned) and then
@@ -31,6 +28,27 @@ Rules:
   refused (budget unchanged) when pinned, in-flight and loading bytes alone exceed it.
 - Every operation that evicts returns its `Eviction`s in the order they happened.
 
+Eviction policies (`ResidencyPool(budget, eviction=...)`):
+- "lru" (the default): least recently used first, by `last_used` (a logical clock advanced by one
+  on every `begin_load` and `acquire`, never wall time), ties broken by registration order (earlier
+  first). Each tick stamps one model, so two models that were ever admitted never tie; the
+  tie-break only keeps the order total.
+- "cost": cost-aware, GreedyDual-Size-Frequency (Cherkasova 1998). Every touch (`begin_load`,
+  `acquire`) sets the model's priority H = L + frequency × reload_seconds / bytes; victims go
+  lowest H first, ties by `last_used` then registration order. `frequency` is the number of
+  `begin_load`s since the model was last loaded (1 on the miss that loads it, +1 per hit). L (the
+  `inflation`, starting at 0) is raised to the H of every model evicted for room or budget (never
+  lowered, and not raised by an explicit `evict`), so models not touched for a while age: a fresh
+  touch outbids whatever was evicted before it. Why this rule: a miss costs the time to load the
+  model again, and a model occupies its bytes; H ranks models by the reload seconds they save per
+  byte they hold, which is what an eviction under a byte budget should keep high (a knapsack's
+  value density). `reload_seconds` is given at `register` or by `set_reload_cost` (the runtime feeds
+  each measured load time); until one is known the model is assumed to reload at
+  `DEFAULT_RELOAD_BYTES_PER_SECOND`. A new cost takes effect at the model's next touch. When every
+  model reloads at the same bytes per second and is used once per load, this is LRU; with
+  frequencies it keeps a popular small model that is slow to reload (per byte) where LRU would
+  drop it.
+
 Hits and misses are counted by `begin_load` only (on a resident model: a hit; on a cold one: a
 miss). `acquire` does not count: the runtime calls `begin_load` and then `acquire` for every
 request, so counting both would count each request twice.
@@ -39,10 +57,13 @@ request, so counting both would count each request twice.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 COLD, LOADING, RESIDENT = "cold", "loading", "resident"
 CAUSES = ("room", "budget", "explicit")
+EVICTION_POLICIES = ("lru", "cost")
+DEFAULT_RELOAD_BYTES_PER_SECOND = 1e9  # "cost" eviction: the assumed reload speed until one is measured
 
 
 class ResidencyError(ValueError):
@@ -86,6 +107,9 @@ class ModelState:
     in_flight: int  # requests holding it (acquire minus release)
     last_used: int  # LRU clock at the last begin_load or acquire (0: never)
     loads: int  # finished loads
+    reload_seconds: float | None = None  # the cost of loading it again (None: not known yet)
+    frequency: int = 0  # "cost" eviction: begin_loads since it was last loaded (0: never admitted)
+    priority: float = 0.0  # "cost" eviction: H at its last touch (victims lowest first); 0.0 for "lru"
 
 
 @dataclass(frozen=True)
@@ -132,6 +156,9 @@ class _Model:
     last_used: int = 0
     loads: int = 0
     handle: object = None
+    reload_seconds: float | None = None
+    frequency: int = 0
+    priority: float = 0.0
 
 
 def _checked_bytes(what: str, value: object) -> int:
@@ -142,13 +169,28 @@ def _checked_bytes(what: str, value: object) -> int:
     return value
 
 
+def _checked_seconds(what: str, value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ResidencyError(f"{what} must be a finite number of seconds or None, got {value!r}")
+    if value < 0:
+        raise ResidencyError(f"{what} must be >= 0 seconds, got {value}")
+    return float(value)
+
+
 class ResidencyPool:
-    """Models under one byte budget: all-or-nothing admission, LRU eviction, pins, in-flight counts.
+    """Models under one byte budget: all-or-nothing admission, LRU or cost-aware eviction, pins,
+    in-flight counts.
 
     Not thread-safe: the runtime holds one lock around every call.
     """
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, eviction: str = "lru") -> None:
+        if eviction not in EVICTION_POLICIES:
+            raise ResidencyError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}; got {eviction!r}")
+        self._eviction = eviction
+        self._inflation = 0.0  # "cost" eviction: L, the highest H of a model evicted for room or budget
         self._budget_bytes = _checked_bytes("budget", budget_bytes)
         self._models: dict[str, _Model] = {}
         self._registrations = itertools.count()
@@ -161,14 +203,26 @@ class ResidencyPool:
 
     # ------------------------------------------------------------------ registry
 
-    def register(self, name: str, size_bytes: int, pinned: bool = False) -> None:
-        """Declare a cold model with an estimated size (`begin_load` may correct it)."""
+    def register(
+        self, name: str, size_bytes: int, pinned: bool = False, reload_seconds: float | None = None
+    ) -> None:
+        """Declare a cold model with an estimated size (`begin_load` may correct it) and, for "cost"
+        eviction, the seconds it takes to load (None: not known yet; see `set_reload_cost`)."""
         if not isinstance(name, str) or not name:
             raise ResidencyError(f"a model name must be a non-empty string, got {name!r}")
         if name in self._models:
             raise ResidencyError(f"model {name!r} is already registered ({self._models[name].state})")
         size = _checked_bytes(f"model {name!r}: size", size_bytes)
-        self._models[name] = _Model(name, size, bool(pinned), order=next(self._registrations))
+        seconds = _checked_seconds(f"model {name!r}: reload cost", reload_seconds)
+        model = _Model(name, size, bool(pinned), order=next(self._registrations), reload_seconds=seconds)
+        self._models[name] = model
+
+    def set_reload_cost(self, name: str, seconds: float | None) -> None:
+        """Set how many seconds loading `name` again takes (the runtime passes each measured load
+        time; None: unknown again). Used by "cost" eviction from the model's next touch on; any
+        state, nothing is evicted."""
+        model = self._get(name)
+        model.reload_seconds = _checked_seconds(f"model {name!r}: reload cost", seconds)
 
     def unregister(self, name: str) -> None:
         """Forget a cold model (its counters stay in the pool's totals)."""
@@ -197,7 +251,7 @@ class ResidencyPool:
         return [victim.name for victim in self._victims_for_load(model, size)]
 
     def begin_load(self, name: str, size_bytes: int | None = None) -> list[Eviction]:
-        """Admit a cold model: evict LRU victims until `size_bytes` (default: its registered size)
+        """Admit a cold model: evict victims until `size_bytes` (default: its registered size)
         fits, reserve it and mark it loading; the runtime then loads it and calls `finish_load` or
         `abort_load`. A refused admission (NoRoomError) evicts nothing and changes nothing.
 
@@ -207,6 +261,7 @@ class ResidencyPool:
         model, size = self._admission(name, size_bytes)
         if model.state == RESIDENT:
             self._hits += 1
+            model.frequency += 1
             self._touch(model)
             return []
         victims = self._victims_for_load(model, size)
@@ -214,6 +269,7 @@ class ResidencyPool:
         model.bytes, model.state = size, LOADING
         self._used_bytes += size
         self._misses += 1
+        model.frequency = 1
         self._touch(model)
         return evictions
 
@@ -221,7 +277,7 @@ class ResidencyPool:
         """The load succeeded: `name` becomes resident with its measured `actual_bytes` and `handle`
         (the runtime's loaded object, not None; given back in the `Eviction` that drops it).
 
-        A measured size above the reservation may evict more LRU victims (returned, in order). If
+        A measured size above the reservation may evict more victims (returned, in order). If
         it cannot fit even then, the model goes back to cold (reservation returned, the measured
         size kept as its estimate, nothing else changed) and NoRoomError is raised: the caller must
         then drop `handle` itself, the pool never held it.
@@ -305,7 +361,7 @@ class ResidencyPool:
         return self._drop(model, "explicit")
 
     def set_budget(self, budget_bytes: int) -> list[Eviction]:
-        """Change the budget. Growing evicts nothing; shrinking evicts LRU victims until the used
+        """Change the budget. Growing evicts nothing; shrinking evicts victims until the used
         bytes fit (cause "budget"), or raises NoRoomError with the pool (budget included) unchanged
         when pinned, in-flight and loading bytes alone exceed the new budget."""
         budget = _checked_bytes("budget", budget_bytes)
@@ -331,6 +387,17 @@ class ResidencyPool:
     def pinned_bytes(self) -> int:
         """Bytes of pinned models that are loading or resident."""
         return sum(m.bytes for m in self._models.values() if m.state != COLD and m.pinned)
+
+    @property
+    def eviction(self) -> str:
+        """The eviction policy: "lru" or "cost"."""
+        return self._eviction
+
+    @property
+    def inflation(self) -> float:
+        """L of "cost" eviction: the highest priority of a model evicted for room or budget (0.0 at
+        first, and always under "lru")."""
+        return self._inflation
 
     @property
     def clock(self) -> int:
@@ -381,6 +448,19 @@ class ResidencyPool:
                 raise RuntimeError(f"{m.name} is {m.state} with handle {m.handle!r}")
             if not 0 <= m.last_used <= self._clock or (m.state != COLD and m.last_used == 0):
                 raise RuntimeError(f"{m.name} ({m.state}) last used at {m.last_used}, clock {self._clock}")
+            cost = m.reload_seconds
+            if cost is not None and not (math.isfinite(cost) and cost >= 0):
+                raise RuntimeError(f"{m.name} has reload cost {m.reload_seconds!r}")
+            if m.frequency < 0 or (m.state != COLD and m.frequency == 0):
+                raise RuntimeError(f"{m.name} ({m.state}) has frequency {m.frequency}")
+            if self._eviction == "lru" and m.priority != 0.0:
+                raise RuntimeError(f"{m.name} has priority {m.priority} under LRU eviction")
+            if not (math.isfinite(m.priority) and m.priority >= 0):
+                raise RuntimeError(f"{m.name} has priority {m.priority!r}")
+        if not (math.isfinite(self._inflation) and self._inflation >= 0):
+            raise RuntimeError(f"inflation is {self._inflation!r}")
+        if self._eviction == "lru" and self._inflation != 0.0:
+            raise RuntimeError(f"inflation is {self._inflation} under LRU eviction")
         stamps = [m.last_used for m in in_memory]
         if len(set(stamps)) != len(stamps):
             raise RuntimeError(f"models in memory share LRU stamps: {sorted(stamps)}")
@@ -421,13 +501,22 @@ class ResidencyPool:
     def _touch(self, model: _Model) -> None:
         self._clock += 1
         model.last_used = self._clock
+        if self._eviction == "cost":
+            model.priority = self._inflation + model.frequency * self._seconds_per_byte(model)
+
+    @staticmethod
+    def _seconds_per_byte(model: _Model) -> float:
+        if model.reload_seconds is None:
+            return 1.0 / DEFAULT_RELOAD_BYTES_PER_SECOND
+        return model.reload_seconds / max(model.bytes, 1)
 
     def _candidates(self) -> list[_Model]:
-        """Victims in eviction order: idle unpinned resident models, least recently used first."""
-        return sorted(
-            (m for m in self._models.values() if m.state == RESIDENT and not m.pinned and not m.in_flight),
-            key=lambda m: (m.last_used, m.order),
-        )
+        """Victims in eviction order: idle unpinned resident models, least recently used first
+        ("lru") or lowest priority first ("cost", ties by recency)."""
+        idle = (m for m in self._models.values() if m.state == RESIDENT and not m.pinned and not m.in_flight)
+        if self._eviction == "cost":
+            return sorted(idle, key=lambda m: (m.priority, m.last_used, m.order))
+        return sorted(idle, key=lambda m: (m.last_used, m.order))
 
     def _victims_for(self, needed: int, budget: int) -> list[_Model] | None:
         """The victims to evict, in order, so that `needed` more bytes (may be <= 0) fit under
@@ -465,6 +554,8 @@ class ResidencyPool:
 
     def _drop(self, model: _Model, cause: str) -> Eviction:
         eviction = Eviction(model.name, model.bytes, cause, model.handle)
+        if self._eviction == "cost" and cause != "explicit":
+            self._inflation = max(self._inflation, model.priority)
         self._used_bytes -= model.bytes
         model.state, model.handle = COLD, None
         self._evictions[cause] += 1
@@ -473,5 +564,14 @@ class ResidencyPool:
     @staticmethod
     def _view(model: _Model) -> ModelState:
         return ModelState(
-            model.name, model.state, model.bytes, model.pinned, model.in_flight, model.last_used, model.loads
+            model.name,
+            model.state,
+            model.bytes,
+            model.pinned,
+            model.in_flight,
+            model.last_used,
+            model.loads,
+            model.reload_seconds,
+            model.frequency,
+            model.priority,
         )

@@ -13,11 +13,18 @@ Rules:
   leaves of `max_step_tokens`. Prefill runs for any leased model, lane owner or not.
 - Exactly one model owns the decode lane per step (`LanePolicy`); every one of its requests that
   has its first token decodes in that step.
-- A model whose lease is refused for room (`model_blocked`) is retried after a lease is given
-  back. While it waits, requests that arrived after its oldest waiting request are not admitted
-  for other models, so those drain and give their leases back: a blocked model waits at most for
-  the requests that arrived before it. Leases are given back when a model has nothing running and
-  nothing admissible waiting.
+- Admission counts what is already promised: each running request keeps one block of headroom,
+  and a request still prefilling also keeps the blocks its prompt has yet to fill (`free_blocks`
+  only shows what the runner has taken so far).
+- A model whose lease is refused for room (`model_blocked`) is retried after a lease is given back
+  since its acquire was asked (the engine may start a load before the same plan's releases land,
+  so a refusal then is retried at once). It fails only when no other model holds or is taking a
+  lease and none was given back since. While it is blocked, and until it is leased (retries
+  included), requests that arrived after its oldest waiting request are neither admitted nor
+  acquired for other models, so those drain and give their leases back: a blocked model waits at
+  most for the requests that arrived before it. Leases are given back when a model has nothing
+  running and nothing admissible waiting. A failed load counts as a lease given back (blocked
+  models retry rather than wait for it).
 - Preemption is by recompute: a request whose KV the runner dropped for want of blocks goes back
   to waiting (keeping its place by arrival) and prefills its prompt plus what it generated.
 - Every request leaves through `close` (abort, error), `failed` or `finished`; none is lost.
@@ -70,7 +77,8 @@ class _Model:
     state: str = IDLE
     free_blocks: int = 0
     block_size: int = 16
-    blocked_epoch: int = -1  # release epoch when the lease was refused for room
+    acquire_epoch: int = -1  # the release epoch when its lease was last asked for
+    gated: bool = False  # refused for room and not leased since: the admission gate holds
     lane_steps: int = 0
 
 
@@ -127,19 +135,24 @@ class Scheduler:
     def model_ready(self, name: str, free_blocks: int, block_size: int) -> None:
         model = self._models[name]
         model.state, model.free_blocks, model.block_size = READY, free_blocks, block_size
+        model.gated = False
 
     def model_blocked(self, name: str, message: str) -> None:
         """The lease was refused for room. If no other lease can be given back, that is final."""
         model = self._models[name]
         holders = [m for m in self._models.values() if m.state in (READY, ACQUIRING) and m is not model]
-        if not holders:
+        released_since = self._release_epoch > model.acquire_epoch
+        if not holders and not released_since:
             self.model_failed(name, message)
             return
-        model.state, model.blocked_epoch = BLOCKED, self._release_epoch
+        model.state, model.gated = BLOCKED, True
 
     def model_failed(self, name: str, message: str) -> None:
         """Loading failed: every request waiting for the model ends with an error."""
-        self._models[name].state = IDLE
+        model = self._models[name]
+        if model.state == ACQUIRING:  # it took no room after all: blocked models may retry
+            self._release_epoch += 1
+        model.state, model.gated = IDLE, False
         for request in list(self._requests.values()):
             if request.model == name and request.state == WAITING:
                 self.abort(request.id, "error", message)
@@ -209,12 +222,18 @@ class Scheduler:
     # ------------------------------------------------------------------ internals
 
     def _acquisitions(self) -> tuple[str, ...]:
-        wanted = {r.model for r in self._requests.values() if r.state == WAITING}
+        gate = self._admission_gate()
+        wanted = {
+            r.model for r in self._requests.values() if r.state == WAITING and (gate is None or r.id <= gate)
+        }
         acquire = []
         for model in self._models.values():
-            retry = model.state == BLOCKED and model.blocked_epoch < self._release_epoch
+            if model.state == BLOCKED and model.name not in wanted:  # its requests all left
+                model.state, model.gated = IDLE, False
+                continue
+            retry = model.state == BLOCKED and model.acquire_epoch < self._release_epoch
             if model.name in wanted and (model.state == IDLE or retry):
-                model.state = ACQUIRING
+                model.state, model.acquire_epoch = ACQUIRING, self._release_epoch
                 acquire.append(model.name)
         return tuple(acquire)
 
@@ -239,18 +258,25 @@ class Scheduler:
 
     def _admission_gate(self) -> int | None:
         """Requests with a higher id wait while a model is blocked for room (see the rules)."""
-        blocked = {m.name for m in self._models.values() if m.state == BLOCKED}
+        blocked = {m.name for m in self._models.values() if m.gated}
         waiting = [r.id for r in self._requests.values() if r.state == WAITING and r.model in blocked]
         return min(waiting) if waiting else None
 
     def _admit(self) -> None:
         gate = self._admission_gate()
         running: dict[str, int] = {}
+        promised: dict[str, int] = {}
         for request in self._requests.values():
             if request.state != WAITING:
                 running[request.model] = running.get(request.model, 0) + 1
-        # One block of headroom per running request: a decode step may open a new block.
-        available = {m.name: m.free_blocks - running.get(m.name, 0) for m in self._models.values()}
+                # One block of headroom per running request (a decode step may open a new block),
+                # and the blocks a prefilling request's prompt has yet to take.
+                size = self._models[request.model].block_size
+                unfilled = 0
+                if request.state == PREFILL:
+                    unfilled = max(0, _blocks(request.target + 1, size) - _blocks(request.computed, size))
+                promised[request.model] = promised.get(request.model, 0) + unfilled + 1
+        available = {m.name: m.free_blocks - promised.get(m.name, 0) for m in self._models.values()}
         full: set[str] = set()
         for request in self._requests.values():
             model = self._models[request.model]
@@ -258,7 +284,7 @@ class Scheduler:
                 continue
             if gate is not None and request.id > gate:
                 continue
-            needed = -(-(request.target + 1) // model.block_size)
+            needed = _blocks(request.target + 1, model.block_size)
             if running.get(model.name, 0) >= self.config.max_running or available[model.name] < needed:
                 full.add(model.name)  # first come, first served within a model
                 continue
@@ -279,7 +305,7 @@ class Scheduler:
         return chunks
 
     def _releases(self) -> tuple[str, ...]:
-        someone_blocked = any(m.state == BLOCKED for m in self._models.values())
+        someone_blocked = self._admission_gate() is not None
         busy = {r.model for r in self._requests.values() if r.state != WAITING}
         waiting = {r.model for r in self._requests.values() if r.state == WAITING}
         release = []
@@ -304,3 +330,7 @@ class Scheduler:
             if self._owner.model is not None:
                 counters.switches += 1
             self._owner = LaneOwner(name, self._models[name].order, 1)
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)

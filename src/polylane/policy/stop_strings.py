@@ -3,7 +3,10 @@
 Text arrives in pieces (one per token). A piece is released only up to the point where no stop
 string could still begin: the last `longest stop - 1` characters are held back until more text
 shows they are not the start of a stop string. When a stop string appears, everything before it
-is released and the rest (the stop string and anything after it) never is.
+is released and the rest (the stop string and anything after it) never is. When several stop
+strings occur in the text at hand, the one that completes first wins (a stream cut token by token
+would have stopped there), and of those completing at the same character the longest is cut, so the
+output never depends on how the text was split into pieces.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ class StopStringMatcher:
         if self.stopped:
             return ""
         self._pending += text
-        cut = min((i for stop in self.stops if (i := self._pending.find(stop)) >= 0), default=-1)
+        cut = self._first_stop()
         if cut >= 0:
             self.stopped = True
             released, self._pending = self._pending[:cut], ""
@@ -34,6 +37,14 @@ class StopStringMatcher:
         released = self._pending[: len(self._pending) - keep]
         self._pending = self._pending[len(released) :]
         return released
+
+    def _first_stop(self) -> int:
+        """Where the stop string that completes first in the pending text begins; -1 if none."""
+        ends = [i + len(stop) for stop in self.stops if (i := self._pending.find(stop)) >= 0]
+        if not ends:
+            return -1
+        end = min(ends)
+        return end - max(len(stop) for stop in self.stops if self._pending.endswith(stop, 0, end))
 
     def flush(self) -> str:
         """At the end of the stream: release what was held back (nothing if a stop string hit)."""

@@ -66,9 +66,7 @@ class PagedKVCache:
     def move_slots(self, moves: Sequence[SlotMove]) -> None:
         """Apply tree-compaction moves in order (a target is never a later move's source)."""
         if moves:
-            self._copy_slots(
-                torch.tensor([m.source for m in moves]), torch.tensor([m.target for m in moves])
-            )
+            self._copy_slots(torch.tensor([m.source for m in moves]), torch.tensor([m.target for m in moves]))
 
     def _copy_slots(self, sources: torch.Tensor, targets: torch.Tensor) -> None:
         device = self.keys[0].device

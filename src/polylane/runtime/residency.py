@@ -117,12 +117,19 @@ class ModelLease:
 
 class ResidencyManager:
     def __init__(
-        self, budget_bytes: int, *, block_size: int = DEFAULT_BLOCK_SIZE, quiet: bool = True
+        self,
+        budget_bytes: int,
+        *,
+        eviction: str = "lru",
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        quiet: bool = True,
     ) -> None:
+        """`eviction`: "lru" or "cost" (cost-aware, fed each model's measured load seconds); see
+        `policy.residency`."""
         self.block_size = block_size
         self.quiet = quiet
         _keep_large_allocations_returnable()
-        self._pool = ResidencyPool(budget_bytes)
+        self._pool = ResidencyPool(budget_bytes, eviction=eviction)
         self._specs: dict[str, ModelSpec] = {}
         self._load_seconds = 0.0
         self._lock = threading.Lock()
@@ -138,13 +145,15 @@ class ResidencyManager:
         pinned: bool = False,
         kv_tokens: int = DEFAULT_KV_TOKENS,
     ) -> None:
-        """Declare a model (cold). Its size is estimated from the file header when first loaded."""
+        """Declare a model (cold). Its size is estimated from the file header when the file is
+        already on disk (nothing is fetched here), else when it is first loaded."""
         parse_dtype(dtype)
         if kv_tokens < self.block_size:
             raise ResidencyError(f"model {name!r}: kv_tokens must be >= {self.block_size}, got {kv_tokens}")
+        spec = ModelSpec(name, source or name, dtype, kv_tokens)
         with self._lock:
-            self._pool.register(name, 0, pinned)
-            self._specs[name] = ModelSpec(name, source or name, dtype, kv_tokens)
+            self._pool.register(name, self._local_estimate(spec), pinned)
+            self._specs[name] = spec
 
     @property
     def names(self) -> list[str]:
@@ -154,7 +163,7 @@ class ResidencyManager:
     # ------------------------------------------------------------------ acquire / release
 
     def acquire(self, name: str) -> ModelLease:
-        """A lease on `name`, loading it (and evicting LRU idle models) if it is not resident."""
+        """A lease on `name`, loading it (and evicting idle models) if it is not resident."""
         with self._lock:
             while True:
                 state = self._pool.state(name)
@@ -186,6 +195,7 @@ class ResidencyManager:
             except ResidencyError as error:
                 self._changed.notify_all()
                 raise ModelLoadError(f"model {name!r} measured {resident.bytes} bytes: {error}") from error
+            self._pool.set_reload_cost(name, resident.load_seconds)  # the last measured load
             self._load_seconds += resident.load_seconds
             handle = self._pool.acquire(name)
             self._changed.notify_all()
@@ -218,7 +228,7 @@ class ResidencyManager:
             self._drop([self._pool.evict(name, force)])
 
     def set_budget(self, budget_bytes: int) -> list[str]:
-        """Change the budget; returns the models evicted to fit it (LRU first)."""
+        """Change the budget; returns the models evicted to fit it (in eviction order)."""
         with self._lock:
             evictions = self._pool.set_budget(budget_bytes)
             names = [e.name for e in evictions]
@@ -253,6 +263,15 @@ class ResidencyManager:
         except (LoadError, catalog.ModelNotFoundError, catalog.FetchError, OSError) as error:
             raise ModelLoadError(f"cannot load model {spec.name!r} from {spec.source}: {error}") from error
         return weights  # the KV reservation is added when the loaded model is measured
+
+    @staticmethod
+    def _local_estimate(spec: ModelSpec) -> int:
+        """The header's weight bytes if the file is on disk already; 0 (unknown) otherwise."""
+        try:
+            source = catalog.resolve(spec.source, fetch_missing=False, quiet=True)
+            return estimate_weight_bytes(source.path, source.format, spec.dtype)
+        except Exception:  # not fetched yet, or unreadable: the load reports it properly
+            return 0
 
     def _load(self, spec: ModelSpec) -> ResidentModel:
         rss_before = psutil.Process().memory_info().rss

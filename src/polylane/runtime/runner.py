@@ -19,6 +19,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from polylane.policy.blocks import OutOfBlocksError
 from polylane.policy.lane import LaneMonitor
 from polylane.runtime.model_kv import Extend, KVSequence, ModelKV
@@ -147,12 +149,33 @@ class Runner:
         else:
             return
         sampled = [w for w in work if w.extend.logits != "none"]
-        tokens = sample_rows(logits, [w.request.sampler for w in sampled]) if sampled else []
+        tokens = self._sample(model, logits, sampled, result) if sampled else []
         for w, token in zip(sampled, tokens, strict=True):
+            if token is None:
+                continue
             w.request.generated.append(token)
             result.tokens[w.request.id] = token
         for w in work:
-            result.computed[w.request.id] = w.request.kv.num_tokens  # type: ignore[union-attr]
+            if w.request.id not in result.failed:
+                result.computed[w.request.id] = w.request.kv.num_tokens  # type: ignore[union-attr]
+
+    def _sample(
+        self, model: str, logits: torch.Tensor, sampled: list[_Work], result: StepResult
+    ) -> list[int | None]:
+        """One token per sampled row; a row whose sampler fails fails its own request only."""
+        try:
+            return list(sample_rows(logits, [w.request.sampler for w in sampled]))
+        except Exception:
+            log.exception("batched sampling of %s failed; sampling row by row", model)
+        tokens: list[int | None] = []
+        for i, w in enumerate(sampled):
+            try:
+                tokens.append(sample_rows(logits[i : i + 1], [w.request.sampler])[0])
+            except Exception as error:
+                result.failed[w.request.id] = f"sampling failed: {type(error).__name__}: {error}"
+                self.finish(w.request.id, cache=False)
+                tokens.append(None)
+        return tokens
 
     def _extend(self, kv: ModelKV, request: RunningRequest, chunk: int | None, result: StepResult) -> _Work:
         if chunk is None:  # decode: the last sampled token goes in, the next comes out

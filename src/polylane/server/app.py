@@ -31,10 +31,6 @@ log = logging.getLogger(__name__)
 OPEN_ROUTES = ("/health",)
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 class GuardMiddleware:
     """API key and body size, checked before any route runs (pure ASGI, so streaming is untouched)."""
 
@@ -60,19 +56,36 @@ class GuardMiddleware:
             await self._too_large(scope, receive, send)
             return
         received = 0
+        too_large = started = False
 
         async def counting_receive() -> Message:
-            nonlocal received
+            # Past the limit the app is told the client left (so nothing is parsed or run), and its
+            # answer to that is dropped: the 413 goes out instead. Raising here would not do: the
+            # framework turns any error while reading the body into a 400 of its own.
+            nonlocal received, too_large
+            if too_large:
+                return {"type": "http.disconnect"}
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
-                    raise _BodyTooLarge
+                    too_large = True
+                    return {"type": "http.disconnect"}
             return message
 
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if too_large and not started:
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self.app(scope, counting_receive, send)
-        except _BodyTooLarge:
+            await self.app(scope, counting_receive, guarded_send)
+        except Exception:
+            if not too_large:
+                raise
+        if too_large and not started:
             await self._too_large(scope, receive, send)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -68,10 +68,19 @@ def error_response(
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
 def _field(loc: tuple[Any, ...]) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
-    # pydantic names union branches (e.g. "str", "list[int]"); keep the field path only
-    parts = [p for p in parts if not any(ch in p for ch in "[]") and p not in ("str", "int", "float", "bool")]
+    # pydantic names union branches in the location ("str", "list[int]", "constrained-str",
+    # "function-after[...]"); keep the field path only: field names and list indexes.
+    parts = [
+        str(p)
+        for p in loc
+        if isinstance(p, int) or (isinstance(p, str) and p.isidentifier() and p not in _TYPE_TAGS)
+    ]
+    if loc and loc[0] in ("body", "query", "path", "header", "cookie"):
+        parts = parts[1:]
     return ".".join(parts) or None
 
 

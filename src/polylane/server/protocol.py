@@ -14,12 +14,23 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from polylane.types import SamplingParams
 
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 256
+# Upper bounds that no model reaches, so a huge number is refused by type, never echoed back.
+MAX_COUNT = 2**31 - 1
+
+
+def _valid_unicode(text: str) -> None:
+    """JSON may carry lone surrogates ("\\ud800"); no tokenizer can encode them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("is not valid Unicode (it holds a lone surrogate)") from None
+
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 _UNSUPPORTED = (
@@ -45,14 +56,14 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Annotated[str, Field(min_length=1, max_length=256)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_COUNT)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=-1)] = 0  # 0 or -1: off (vLLM's convention)
+    top_k: Annotated[int, Field(ge=-1, le=MAX_COUNT)] = 0  # 0 or -1: off (vLLM's convention)
     min_p: Probability = 0.0
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
     stop: str | list[str] | None = None
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_COUNT)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -76,6 +87,8 @@ class _Sampling(BaseModel):
         if value is None:
             return None
         stops = [value] if isinstance(value, str) else value
+        for stop in stops:
+            _valid_unicode(stop)
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         if any(not s or len(s) > MAX_STOP_LENGTH for s in stops):
@@ -116,9 +129,21 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: (
         Annotated[str, Field(min_length=1)]
-        | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+        | Annotated[list[Annotated[int, Field(ge=0, le=MAX_COUNT)]], Field(min_length=1)]
         | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
     )
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt(cls, value: Any, handler: Any) -> Any:
+        # One clear reason instead of pydantic's per-branch errors of the union.
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError(
+                "must be a non-empty string, a non-empty list of token ids (integers >= 0), "
+                "or a list holding one non-empty string"
+            ) from None
 
     @property
     def prompt_input(self) -> str | list[int]:
@@ -138,6 +163,13 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart]
 
+    @field_validator("content")
+    @classmethod
+    def _content(cls, value: str | list[TextPart]) -> str | list[TextPart]:
+        for text in [value] if isinstance(value, str) else [part.text for part in value]:
+            _valid_unicode(text)
+        return value
+
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
@@ -146,13 +178,14 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_COUNT)] | None = None
 
-    @model_validator(mode="after")
-    def _content(self) -> ChatCompletionRequest:
-        if not any(m.text() for m in self.messages):
-            raise ValueError("messages are all empty")
-        return self
+    @field_validator("messages")
+    @classmethod
+    def _content(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        if not any(m.text() for m in messages):
+            raise ValueError("every message is empty")
+        return messages
 
     def plain_messages(self) -> list[dict[str, str]]:
         role = {"developer": "system"}

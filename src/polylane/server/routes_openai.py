@@ -86,20 +86,38 @@ async def _serve(
     limits = state.limits
     model = state.resolve(body.model)
     if body.n > limits.max_n:
-        raise ApiError(400, f"n: at most {limits.max_n} choices per request, got {body.n}", param="n")
+        raise ApiError(400, f"n: at most {limits.max_n} choices per request", param="n")
     prompt_ids = await run_in_threadpool(_prompt_ids, state, model, body, chat)
     served = state.engine.models[model]
     requested = body.requested_max_tokens if chat else body.max_tokens  # type: ignore[union-attr]
-    room = served.max_request_tokens - len(prompt_ids)
-    if requested is None and room < 1:
+    limit = served.max_request_tokens
+    room = limit - len(prompt_ids)
+    if room < 1:
         raise ApiError(
             400,
-            f"the prompt has {len(prompt_ids)} tokens; {model!r} holds at most {served.max_request_tokens}",
+            f"the prompt has {len(prompt_ids)} tokens; {model!r} holds at most {limit} (prompt + max_tokens)",
             param="messages" if chat else "prompt",
             code="context_length_exceeded",
         )
     max_tokens = requested if requested is not None else min(limits.max_tokens_default, room)
+    if max_tokens > room:  # refused here, before admission: retrying (a 429) would never help
+        name = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
+        raise ApiError(
+            400,
+            f"prompt ({len(prompt_ids)} tokens) + {name} ({max_tokens}) = {len(prompt_ids) + max_tokens} "
+            f"tokens exceeds what {model!r} holds ({limit} tokens)",
+            param=name,
+            code="context_length_exceeded",
+        )
     reserved = body.n * (len(prompt_ids) + max_tokens)
+    if reserved > state.admission.max_tokens:  # could never be admitted, however long one waits
+        raise ApiError(
+            400,
+            f"this request needs {reserved} tokens (n x (prompt + max_tokens)); the server queues at "
+            f"most {state.admission.max_tokens}",
+            param="max_tokens",
+            code="request_too_large",
+        )
     try:
         state.admission.reserve(reserved)
     except QueueFullError as error:
@@ -114,7 +132,13 @@ async def _serve(
     )
     request_id = protocol.new_id("chatcmpl" if chat else "cmpl")
 
-    def finish() -> None:
+    finished = False
+
+    def finish() -> None:  # idempotent: the stream's end and the response's end both call it
+        nonlocal finished
+        if finished:
+            return
+        finished = True
         timer.cancel()
         for handle in handles:
             if not handle.done:
@@ -122,8 +146,9 @@ async def _serve(
         state.admission.release(reserved)
 
     if body.stream:
-        return StreamingResponse(
+        return _EventStream(
             _stream(state, request_id, body, handles, chat, finish),
+            finish,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -145,12 +170,35 @@ async def _serve(
     return protocol.completion_body(request_id, body.model, choices, usage, chat)
 
 
+class _EventStream(StreamingResponse):
+    """An SSE response that ends its request however the response ends: a client that goes away
+    before the first chunk (so the stream's own `finally` never runs) still aborts the request and
+    gives its admission back."""
+
+    def __init__(self, content: AsyncIterator[str], finish: Any, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._finish = finish
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._finish()
+
+
 def _prompt_ids(state: ServerState, model: str, body: Any, chat: bool) -> list[int]:
     try:
         if chat:
             return state.engine.prompt_ids(model, messages=body.plain_messages())
         return state.engine.prompt_ids(model, body.prompt_input)
-    except ChatTemplateError:
+    except ChatTemplateError as error:
+        if state.engine.models[model].tokenizer.has_chat_template:  # the template refused these messages
+            raise ApiError(
+                400,
+                f"the chat template of {model!r} cannot render these messages: {str(error)[:200]}",
+                param="messages",
+                code="chat_template_error",
+            ) from None
         raise ApiError(
             400,
             f"model {model!r} has no chat template (a base model), so it is completion-only: "
@@ -189,7 +237,7 @@ def _submit(
 async def _collect(handle: RequestHandle) -> Completion:
     async for _ in handle:
         pass
-    return handle.result(timeout=0)
+    return handle.result(timeout=0)  # the last event was seen, so the handle is done
 
 
 async def _wait(request: Request, handles: list[RequestHandle]) -> list[Completion] | None:
