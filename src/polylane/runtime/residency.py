@@ -32,6 +32,7 @@ from polylane.policy.residency import (
     LOADING,
     Eviction,
     ModelState,
+    NoRoomError,
     ResidencyCounters,
     ResidencyError,
     ResidencyPool,
@@ -163,23 +164,28 @@ class ResidencyManager:
     # ------------------------------------------------------------------ acquire / release
 
     def acquire(self, name: str) -> ModelLease:
-        """A lease on `name`, loading it (and evicting idle models) if it is not resident."""
-        with self._lock:
-            while True:
-                state = self._pool.state(name)
-                if state.state == LOADING:
+        """A lease on `name`, loading it (and evicting idle models) if it is not resident.
+
+        A request that finds the model loading waits for that load; if it fails, the request tries
+        the load itself, so it reports its own error (no room, a broken file) rather than another's.
+        """
+        while True:
+            with self._lock:
+                while self._pool.state(name).state == LOADING:
                     self._changed.wait()
-                    continue
-                if state.state == "resident":
+                if self._pool.state(name).state == "resident":
                     self._pool.begin_load(name)  # a hit: refreshes recency
                     return ModelLease(self, name, self._pool.acquire(name))  # type: ignore[arg-type]
-                break
-            spec = self._specs[name]
-        estimate = self._estimate(spec)  # header read outside the lock; raises before any eviction
-        with self._lock:
-            if self._pool.state(name).state != "cold":  # another thread got there first
-                return self._acquire_after_wait(name)
-            self._drop(self._pool.begin_load(name, estimate))
+                spec = self._specs[name]
+            estimate = self._estimate(spec)  # header read outside the lock; raises before any eviction
+            with self._lock:
+                if self._pool.state(name).state == "cold":
+                    self._drop(self._pool.begin_load(name, estimate))
+                    break
+            # another thread started loading it meanwhile: wait for that load
+        return self._load_and_lease(name, spec)
+
+    def _load_and_lease(self, name: str, spec: ModelSpec) -> ModelLease:
         try:
             resident = self._load(spec)
         except BaseException as error:
@@ -194,20 +200,13 @@ class ResidencyManager:
                 self._drop(self._pool.finish_load(name, resident.bytes, resident))
             except ResidencyError as error:
                 self._changed.notify_all()
-                raise ModelLoadError(f"model {name!r} measured {resident.bytes} bytes: {error}") from error
+                kind = NoRoomError if isinstance(error, NoRoomError) else ModelLoadError
+                raise kind(f"model {name!r} measured {resident.bytes} bytes: {error}") from error
             self._pool.set_reload_cost(name, resident.load_seconds)  # the last measured load
             self._load_seconds += resident.load_seconds
             handle = self._pool.acquire(name)
             self._changed.notify_all()
             return ModelLease(self, name, handle)  # type: ignore[arg-type]
-
-    def _acquire_after_wait(self, name: str) -> ModelLease:
-        while self._pool.state(name).state == LOADING:
-            self._changed.wait()
-        if self._pool.state(name).state != "resident":
-            raise ModelLoadError(f"model {name!r} failed to load in another request")
-        self._pool.begin_load(name)
-        return ModelLease(self, name, self._pool.acquire(name))  # type: ignore[arg-type]
 
     def _release(self, name: str) -> None:
         with self._lock:

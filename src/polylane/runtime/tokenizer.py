@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -71,9 +72,15 @@ def _cache_key(path: Path) -> str:
     return hashlib.sha256(identity.encode()).hexdigest()[:24]
 
 
+# transformers resolves its names lazily, and two threads doing that at once can see a
+# half-initialised module ("cannot import name AutoTokenizer"); import it under one lock.
+_TRANSFORMERS_IMPORT = threading.Lock()
+
+
 def load_tokenizer(source: ModelSource) -> Tokenizer:
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-    from transformers.utils import logging as hf_logging
+    with _TRANSFORMERS_IMPORT:
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+        from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     logging.getLogger("transformers").setLevel(logging.ERROR)
