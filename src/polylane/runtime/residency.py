@@ -124,11 +124,14 @@ class ResidencyManager:
         eviction: str = "lru",
         block_size: int = DEFAULT_BLOCK_SIZE,
         quiet: bool = True,
+        prefix_cache: bool = True,
     ) -> None:
         """`eviction`: "lru" or "cost" (cost-aware, fed each model's measured load seconds); see
-        `policy.residency`."""
+        `policy.residency`. `prefix_cache`: give each loaded model's KV a prefix tree (off: every
+        prompt is prefilled in full, e.g. the `plain` bench baseline)."""
         self.block_size = block_size
         self.quiet = quiet
+        self.prefix_cache = prefix_cache
         _keep_large_allocations_returnable()
         self._pool = ResidencyPool(budget_bytes, eviction=eviction)
         self._specs: dict[str, ModelSpec] = {}
@@ -277,7 +280,9 @@ class ResidencyManager:
         started = time.perf_counter()
         model = load_model(spec.source, spec.dtype, quiet=self.quiet)
         num_blocks = -(-spec.kv_tokens // self.block_size)
-        kv = ModelKV(model, num_blocks=num_blocks, block_size=self.block_size, prefix_cache=True)
+        kv = ModelKV(
+            model, num_blocks=num_blocks, block_size=self.block_size, prefix_cache=self.prefix_cache
+        )
         seconds = time.perf_counter() - started
         measured = model.weight_bytes + kv.cache.nbytes
         rss_delta = psutil.Process().memory_info().rss - rss_before
