@@ -1,6 +1,7 @@
 """The `polylane` command: serve models, list them, generate text.
 
 polylane serve [MODEL ...]           the OpenAI-compatible server (default model when none given)
+polylane serve --ray --replicas N    the same routes over N engines under Ray Serve (model affinity)
 polylane models                      the catalogue, with size and whether each is cached
 polylane generate MODEL PROMPT       stream a completion to the terminal
 """
@@ -109,14 +110,22 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         ]
     server_config.check_names(models)
     budget = args.budget or str(file_data.get("budget", "auto"))
+    shares = args.replicas if args.ray and budget == "auto" else 1  # under --ray the budget is per replica
     config = server_config.ServerConfig(
         models=tuple(models),
-        budget_bytes=server_config.parse_size(budget),
+        budget_bytes=server_config.parse_size(budget) // shares,
         host=args.host or str(file_data.get("host", "127.0.0.1")),
         port=args.port or int(file_data.get("port", 8000)),
         api_key=args.api_key or file_data.get("api_key") or os.environ.get("POLYLANE_API_KEY") or None,
         lane_policy=args.lane_policy or str(file_data.get("lane_policy", "throughput")),
     )
+    if args.ray:
+        try:
+            from polylane.server.ray_app import RayOptions, serve_ray
+        except ImportError as error:
+            raise ValueError(f"--ray needs Ray Serve: pip install 'polylane[ray]' ({error})") from None
+        serve_ray(config, RayOptions(replicas=args.replicas))
+        return 0
     serve(config)
     return 0
 
@@ -140,6 +149,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", help="require this key on every route but /health ($POLYLANE_API_KEY)")
     serve.add_argument(
         "--lane-policy", choices=["fcfs", "round-robin", "priority", "throughput"], help="decode lane policy"
+    )
+    serve.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve replicas under Ray Serve, routed by model (pip install polylane[ray])",
+    )
+    serve.add_argument(
+        "--replicas",
+        type=int,
+        default=2,
+        help="with --ray: polylane engines, each with its own --budget (default 2)",
     )
     serve.set_defaults(run=_cmd_serve)
 
