@@ -1,17 +1,27 @@
-"""Profile one batch-1 decode step of polylane's decoder: where the time goes, op by op.
+"""Profile one decode step of polylane's decoder: where the time goes, by category and by op.
 
 Run:  python bench/profile_step.py [--model smollm2-135m-instruct] [--dtype fp32|bf16]
-      [--context 32] [--steps 10] [--threads 2]
+      [--context 32] [--batch 1] [--steps 10] [--threads 2]
 
-Prints the mean wall time of a decode step (one token, after a prompt of --context tokens, timed
-over 40 steps), then torch.profiler's table of --steps steps grouped by op and input shape,
-sorted by self CPU time. The last stdout line is one JSON document with the step time.
+Prints the median wall time of a decode step (--batch sequences, one new token each, after
+prompts of --context tokens; median of 40 steps), then a torch.profiler run of --steps steps:
+- by category: self CPU time of the ops in each category per step —
+  weights (mm/addmm/linear: streaming the weight matrices), attention (the score and value
+  matmuls, softmax, masking, KV gathers and writes), elementwise and norms (RMSNorm, RoPE,
+  activation, residual adds, casts), and "Python and dispatch": profiled wall time per step minus
+  all op time (the interpreter, module calls, building the batch layout);
+- sampling: the time to pick the next token from the step's logits, greedy (argmax) and with
+  temperature 0.8 / top-p 0.9 (`RequestSampler`), measured outside the profiler;
+- the per-op table (grouped by input shape), sorted by self CPU time.
+The profiler adds overhead of its own, so its wall time per step is reported next to the plain
+one. The last stdout line is one JSON document with every number.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -19,7 +29,37 @@ import torch
 from polylane.runtime.batch import build_forward_batch
 from polylane.runtime.kv_cache import PagedKVCache
 from polylane.runtime.loaded_model import load_model
-from polylane.types import SequenceChunk
+from polylane.runtime.sampler import RequestSampler, sample_rows
+from polylane.types import SamplingParams, SequenceChunk
+
+WEIGHT_OPS = {
+    "aten::mm",
+    "aten::addmm",
+    "aten::linear",
+    "aten::matmul",
+    "aten::_weight_int8pack_mm",
+    "aten::_weight_int4pack_mm",
+}
+ATTENTION_OPS = {
+    "aten::bmm",
+    "aten::_softmax",
+    "aten::softmax",
+    "aten::masked_fill",
+    "aten::index_select",
+    "aten::index_copy_",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::scaled_dot_product_attention",
+    "aten::baddbmm",
+}
+
+
+def category(name: str, shapes: list) -> str:
+    if name in ATTENTION_OPS:
+        return "attention"
+    if name in WEIGHT_OPS:
+        # the attention's own matmuls are batched 3-D; weight matmuls take a 2-D weight
+        return "weights" if len(shapes) > 1 and len(shapes[1]) == 2 else "attention"
+    return "elementwise and norms"
 
 
 def main() -> None:
@@ -27,39 +67,92 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--context", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(args.model, args.dtype, quiet=True)
     block_size, timed = 16, 40
-    total = args.context + timed + args.steps + 8
-    num_blocks = -(-total // block_size)
-    cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype)
-    table = tuple(range(num_blocks))
-    prompt = tuple(100 + (i * 37) % 1000 for i in range(args.context))
-    model.module(build_forward_batch([SequenceChunk(prompt, 0, table)], block_size, model.config), cache)
+    per_sequence = -(-(args.context + timed + args.steps + 16) // block_size)
+    cache = PagedKVCache(model.config, per_sequence * args.batch, block_size, model.dtype)
+    tables = [tuple(range(b * per_sequence, (b + 1) * per_sequence)) for b in range(args.batch)]
+    prompts = [tuple(100 + (i * 37 + b) % 1000 for i in range(args.context)) for b in range(args.batch)]
+    first = [SequenceChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)]
+    model.module(build_forward_batch(first, block_size, model.config), cache)
     length = args.context
+    logits = torch.empty(0)
 
     def step() -> None:
-        nonlocal length
-        chunk = SequenceChunk((5,), length, table)
-        model.module(build_forward_batch([chunk], block_size, model.config), cache)
+        nonlocal length, logits
+        chunks = [SequenceChunk((5,), length, t) for t in tables]
+        logits = model.module(build_forward_batch(chunks, block_size, model.config), cache)
         length += 1
 
     for _ in range(5):
         step()
-    started = time.perf_counter()
+    times = []
     for _ in range(timed):
+        started = time.perf_counter()
         step()
-    step_ms = (time.perf_counter() - started) / timed * 1000
-    print(f"{args.model} {args.dtype}: decode step {step_ms:.1f} ms ({1000 / step_ms:.1f} tokens/s)")
+        times.append(time.perf_counter() - started)
+    step_ms = statistics.median(times) * 1000
+    tokens_per_s = 1000 * args.batch / step_ms
+    print(
+        f"{args.model} {args.dtype} batch {args.batch}: "
+        f"decode step {step_ms:.1f} ms ({tokens_per_s:.1f} tokens/s)"
+    )
+
+    rows = logits.reshape(-1, logits.shape[-1])[: args.batch].float()
+    sampling = {}
+    for label, params in (
+        ("greedy", SamplingParams()),
+        ("top_p", SamplingParams(temperature=0.8, top_p=0.9)),
+    ):
+        samplers = [RequestSampler(params) for _ in range(args.batch)]
+        started = time.perf_counter()
+        for _ in range(20):
+            sample_rows(rows, samplers)
+        sampling[label] = (time.perf_counter() - started) / 20 * 1000
+
     with torch.profiler.profile(record_shapes=True) as profile:
+        started = time.perf_counter()
         for _ in range(args.steps):
             step()
+        profiled_ms = (time.perf_counter() - started) / args.steps * 1000
     averages = profile.key_averages(group_by_input_shape=True)
-    print(averages.table(sort_by="self_cpu_time_total", row_limit=20))
-    print(json.dumps({"model": args.model, "dtype": args.dtype, "context": args.context, "step_ms": step_ms}))
+    categories: dict[str, float] = {"weights": 0.0, "attention": 0.0, "elementwise and norms": 0.0}
+    for event in averages:
+        if event.key.startswith("aten::") or event.key.startswith("mkldnn"):
+            categories[category(event.key, event.input_shapes)] += (
+                event.self_cpu_time_total / 1000 / args.steps
+            )
+    categories["Python and dispatch"] = max(0.0, profiled_ms - sum(categories.values()))
+
+    print(f"\nunder the profiler: {profiled_ms:.1f} ms per step; by category (ms per step, share):")
+    for name, ms in categories.items():
+        print(f"  {name:24s} {ms:7.2f} ms  {ms / profiled_ms:6.1%}")
+    print(
+        f"sampling ({args.batch} rows, outside the profiler): greedy {sampling['greedy']:.2f} ms, "
+        f"temperature 0.8 / top-p 0.9 {sampling['top_p']:.2f} ms\n"
+    )
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=15))
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "dtype": args.dtype,
+                "context": args.context,
+                "batch": args.batch,
+                "step_ms": step_ms,
+                "tokens_per_s": tokens_per_s,
+                "profiled_step_ms": profiled_ms,
+                "categories_ms": categories,
+                "sampling_ms": sampling,
+                "threads": args.threads,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

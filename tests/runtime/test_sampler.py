@@ -312,3 +312,37 @@ def test_a_vanishing_temperature_samples_greedily_instead_of_overflowing(tempera
     assert sampler.greedy
     assert sample_rows(logits, [sampler] * 3) == logits.argmax(dim=-1).tolist()
     assert [sampler.sample(row) for row in logits] == logits.argmax(dim=-1).tolist()
+
+
+def _reference_probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The module docstring's recipe with a full stable sort of the vocabulary, no shortcuts."""
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if 0 < params.top_k < probs.shape[0]:
+        head, order = torch.topk(probs, params.top_k, sorted=True)
+    else:
+        head, order = torch.sort(probs, descending=True, stable=True)
+    keep = head.shape[0]
+    if params.top_p < 1.0:
+        cum = torch.cumsum(head, dim=0, dtype=torch.float64)
+        keep = min(keep, int(torch.searchsorted(cum, params.top_p * float(cum[-1]) - 1e-6)) + 1)
+    if params.min_p > 0.0:
+        keep = min(keep, int((head[:keep] >= params.min_p * float(head[0])).sum()))
+    keep = max(keep, 1)
+    out = torch.zeros_like(probs)
+    out[order[:keep]] = head[:keep] / head[:keep].sum()
+    return out
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 4.0, 12.0])  # flat (cut far out) to peaked (cut early)
+@pytest.mark.parametrize(
+    "filters", [{"top_p": 0.9}, {"top_p": 0.5}, {"min_p": 0.05}, {"top_p": 0.95, "min_p": 0.01}]
+)
+def test_the_partial_top_k_shortcut_gives_the_full_sort_distribution(scale: float, filters: dict) -> None:
+    for seed in range(5):
+        logits = torch.randn(5000, generator=torch.Generator().manual_seed(seed)) * scale
+        logits[7] = logits[8] = logits.max()  # a tie at the top
+        params = SamplingParams(temperature=0.8, **filters)
+        got = RequestSampler(params).probabilities(logits)
+        want = _reference_probabilities(logits, params)
+        assert _support(got) == _support(want)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

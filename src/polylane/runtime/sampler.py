@@ -31,6 +31,9 @@ __all__ = ["RequestSampler", "sample_rows"]
 # arithmetic (e.g. 0.5 + 0.3 against top_p = 0.8) is not lost to float32 rounding.
 _TOP_P_SLACK = 1e-6
 
+# Sizes of the partial top-k heads a top-p / min-p cut is looked for in (see `_cut_in_partial_heads`).
+_PARTIAL_HEADS = (256, 4096)
+
 
 class RequestSampler:
     """Samples the tokens of one request.
@@ -60,45 +63,74 @@ class RequestSampler:
         For a greedy request it is one-hot at the argmax.
         """
         x = _cpu_row(logits)
+        ids, probs = self._support(x)
+        out = torch.zeros_like(x)
+        out[ids] = probs
+        return out
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """The next token id for a (V,) row of logits."""
+        x = _cpu_row(logits)
+        if self.params.greedy or self.params.top_k == 1:
+            return int(torch.argmax(x))
+        ids, probs = self._support(x)
+        # Inverse-CDF draw over the kept tokens only (torch.multinomial scans the whole vocabulary).
+        cum = torch.cumsum(probs, dim=0, dtype=torch.float64)
+        u = float(torch.rand((), generator=self.generator, dtype=torch.float64)) * float(cum[-1])
+        index = min(int(torch.searchsorted(cum, u, right=True)), ids.shape[0] - 1)
+        return int(ids[index])
+
+    def _support(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept token ids and their renormalised probabilities (float32) for a logits row."""
         p = self.params
         if p.greedy or p.top_k == 1:
-            out = torch.zeros_like(x)
-            out[torch.argmax(x)] = 1.0
-            return out
+            return torch.argmax(x).reshape(1), torch.ones(1)
         if p.temperature != 1.0:
             x = x / p.temperature
         probs = torch.softmax(x, dim=-1)
         vocab = probs.shape[0]
         top_k = p.top_k if 0 < p.top_k < vocab else 0
         if top_k == 0 and p.top_p >= 1.0 and p.min_p <= 0.0:
-            return probs
-
+            return torch.arange(vocab), probs
         if top_k:
             head, order = torch.topk(probs, top_k, sorted=True)
+            keep = self._cut(head, float(torch.sum(head, dtype=torch.float64)))
         else:
-            head, order = torch.sort(probs, descending=True, stable=True)
+            head, order, keep = self._cut_in_partial_heads(probs)
+        kept = head[:keep]
+        return order[:keep], kept / kept.sum()
+
+    def _cut_in_partial_heads(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Top-p / min-p over the whole vocabulary without sorting all of it.
+
+        Most of the mass sits in a few tokens: the cut is looked for in growing partial top-k
+        heads, and the whole vocabulary is sorted only when the cut is not provably inside the
+        largest (it reaches the head's end, or a tie straddles it).
+        """
+        total = float(torch.sum(probs, dtype=torch.float64))
+        for size in _PARTIAL_HEADS:
+            if size >= probs.shape[0]:
+                break
+            head, order = torch.topk(probs, size, sorted=True)
+            keep = self._cut(head, total)
+            if keep < size and head[keep - 1] != head[keep]:
+                return head, order, keep
+        head, order = torch.sort(probs, descending=True, stable=True)
+        return head, order, self._cut(head, total)
+
+    def _cut(self, head: torch.Tensor, total: float) -> int:
+        """How many of `head` (probabilities sorted descending) survive top-p and min-p, where
+        `total` is the mass top-p is measured against."""
+        p = self.params
         keep = head.shape[0]
         if p.top_p < 1.0:
             cum = torch.cumsum(head, dim=0, dtype=torch.float64)
-            target = p.top_p * float(cum[-1]) - _TOP_P_SLACK
+            target = p.top_p * total - _TOP_P_SLACK
             keep = min(keep, int(torch.searchsorted(cum, target)) + 1)
         if p.min_p > 0.0:
             threshold = p.min_p * float(head[0])
             keep = min(keep, int((head[:keep] >= threshold).sum()))
-        keep = max(keep, 1)
-
-        kept = head[:keep]
-        out = torch.zeros_like(probs)
-        out[order[:keep]] = kept / kept.sum()
-        return out
-
-    def sample(self, logits: torch.Tensor) -> int:
-        """The next token id for a (V,) row of logits."""
-        if self.params.greedy:
-            # Same token as the one-hot `probabilities` gives, without building it.
-            return int(torch.argmax(_cpu_row(logits)))
-        probs = self.probabilities(logits)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return max(keep, 1)
 
 
 def sample_rows(logits: torch.Tensor, samplers: list[RequestSampler]) -> list[int]:
