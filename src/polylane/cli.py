@@ -4,6 +4,7 @@ polylane serve [MODEL ...]           the OpenAI-compatible server (default model
 polylane serve --ray --replicas N    the same routes over N engines under Ray Serve (model affinity)
 polylane models                      the catalogue, with size and whether each is cached
 polylane generate MODEL PROMPT       stream a completion to the terminal
+polylane bench WORKLOAD              measure polylane against its baselines (polylane/bench/)
 """
 
 from __future__ import annotations
@@ -179,6 +180,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None, help="same seed, same output")
     generate.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     generate.set_defaults(run=_cmd_generate)
+
+    from polylane.bench.command import add_parser as add_bench_parser
+
+    add_bench_parser(commands)
     return parser
 
 

@@ -1,0 +1,143 @@
+"""`polylane bench WORKLOAD`: the command line of the harness.
+
+What this module owns: the `bench` subcommand's arguments, turning them into a `BenchConfig`,
+and the output: results.json, results.md and the plots under --out, the Markdown table on stdout,
+and, as the last line of stdout, one JSON document with the headline numbers and ratios. Progress
+goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from polylane import catalog
+from polylane.bench.systems import BASELINES, DEFAULT_BASELINES
+from polylane.bench.workloads import DEFAULTS, WORKLOADS
+
+SMALL_MODELS = ("smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-instruct")
+DEFAULT_MODELS = {
+    "single": (catalog.DEFAULT_MODEL,),
+    "mix": SMALL_MODELS,
+    "shared-prefix": (catalog.DEFAULT_MODEL,),
+    "spec": (catalog.DEFAULT_MODEL,),
+}
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    defaults = "; ".join(
+        f"{w}: {d['requests']} requests, {d['max_tokens']} tokens, concurrency {d['concurrency']}, "
+        f"rate {d['rate']}/s, baselines {' '.join(DEFAULT_BASELINES[w])}"
+        for w, d in DEFAULTS.items()
+    )
+    bench = commands.add_parser(
+        "bench",
+        help="measure polylane against its baselines on a workload (JSON, Markdown, plots)",
+        description="Run a seeded workload on polylane and its baselines, alternating every repeat; "
+        "metrics are defined in polylane/bench/metrics.py. Defaults per workload: " + defaults,
+    )
+    bench.add_argument("workload", choices=WORKLOADS, help="what to run (see polylane/bench/workloads.py)")
+    bench.add_argument(
+        "--models",
+        nargs="+",
+        help="catalogue names or paths, or NAME=SOURCE to serve one file under another name "
+        f"(default: {catalog.DEFAULT_MODEL}; mix: the three small models)",
+    )
+    bench.add_argument(
+        "--baseline",
+        nargs="+",
+        choices=[*BASELINES, "none"],
+        help="baselines run in the same invocation (default per workload; none: polylane alone)",
+    )
+    bench.add_argument("--out", help="output folder (default bench/out/WORKLOAD)")
+    bench.add_argument("--url", help="measure the server at this address (through the openai client)")
+    bench.add_argument("--api-key", help="the server's API key ($POLYLANE_API_KEY)")
+    bench.add_argument("--seed", type=int, default=0, help="same seed, same requests")
+    bench.add_argument("--requests", type=int, help="requests per phase (single, spec) or in all")
+    bench.add_argument(
+        "--max-tokens", type=int, help="output tokens per request (mix, shared-prefix: at most)"
+    )
+    bench.add_argument("--repeats", type=int, default=3, help="runs of every system, alternating order")
+    bench.add_argument("--concurrency", type=int, help="most requests in flight (0: no cap)")
+    bench.add_argument("--rate", type=float, help="Poisson arrivals per second (0: all at once)")
+    bench.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of model popularity")
+    bench.add_argument("--prompt-tokens", type=int, default=512, help="single: prefill prompt length")
+    bench.add_argument("--batch", type=int, default=8, help="single: streams of the batch phase")
+    bench.add_argument("--prefixes", type=int, default=3, help="shared-prefix: distinct system prompts")
+    bench.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weight dtype, every system")
+    bench.add_argument("--threads", type=int, default=0, help="torch threads per process (0: default)")
+    bench.add_argument("--budget", default="64GiB", help="polylane's memory budget (bytes, 6GiB, auto)")
+    bench.add_argument("--kv-tokens", type=int, default=2048, help="KV cache tokens per model")
+    bench.add_argument(
+        "--lane-policy", default="throughput", choices=["fcfs", "round-robin", "priority", "throughput"]
+    )
+    bench.add_argument(
+        "--drafter", help="transformers-assisted: the assistant model (default: prompt lookup)"
+    )
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.set_defaults(run=run)
+
+
+def _models(specs: list[str]) -> tuple[tuple[str, str], ...]:
+    models = []
+    for spec in specs:
+        name, _, source = spec.partition("=")
+        models.append((name, source) if source else (spec, spec))
+    names = [n for n, _ in models]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--models: a name is given twice in {names} (use NAME=SOURCE)")
+    return tuple(models)
+
+
+def run(args: argparse.Namespace) -> int:
+    from polylane.bench import harness, report
+    from polylane.bench.systems import SystemSettings
+    from polylane.bench.workloads import WorkloadOptions
+    from polylane.server.config import parse_size
+
+    models = _models(args.models or list(DEFAULT_MODELS[args.workload]))
+    baselines = tuple(args.baseline or DEFAULT_BASELINES[args.workload])
+    if "none" in baselines:
+        baselines = ()
+    options = WorkloadOptions(
+        models=tuple(n for n, _ in models),
+        seed=args.seed,
+        requests=args.requests,
+        max_tokens=args.max_tokens,
+        concurrency=args.concurrency,
+        rate=args.rate,
+        zipf_s=args.zipf,
+        prompt_tokens=args.prompt_tokens,
+        batch=args.batch,
+        prefixes=args.prefixes,
+    )
+    settings = SystemSettings(
+        models=models,
+        dtype=args.dtype,
+        budget_bytes=parse_size(args.budget),
+        kv_tokens=args.kv_tokens,
+        lane_policy=args.lane_policy,
+        threads=args.threads,
+        drafter=args.drafter,
+    )
+    config = harness.BenchConfig(
+        workload=args.workload,
+        options=options,
+        settings=settings,
+        baselines=baselines,
+        repeats=args.repeats,
+        url=args.url,
+        api_key=args.api_key or os.environ.get("POLYLANE_API_KEY") or None,
+        progress=not args.no_progress,
+        command=shlex.join(["polylane", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else "",
+    )
+    out = Path(args.out or Path("bench") / "out" / args.workload)
+    results = harness.run(config)
+    paths = report.write(results, out)
+    print(paths["markdown"].read_text())
+    print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
+    print(report.final_line(results, out), flush=True)
+    return 0

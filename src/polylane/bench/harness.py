@@ -1,0 +1,230 @@
+"""One bench invocation: build the workload, run every system in alternating order, summarise.
+
+What this module owns: the procedure. For each repeat r the workload is built for (seed, r); the
+systems then take turns, polylane first and the baselines after it on even repeats, the reverse
+order on odd ones, so that drift of a shared machine falls on every system alike. Each system is
+opened (loaded, warmed up) just before its turn and closed after it. Every phase run is
+summarised (`metrics.summarise`); the medians over repeats and the ratios of polylane to each
+baseline make up the results, which `report` writes. A progress bar (stderr) counts requests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from polylane.bench import metrics, workloads
+from polylane.bench.systems import SYSTEMS, SystemSettings, make_system
+
+SCHEMA_ID = "polylane-bench/1"
+
+# The number that says the most about each kind of phase (the plots' bars and the headline).
+PRIMARY_METRIC = {
+    "prefill": "prefill_tokens_per_s",
+    "decode": "stream_decode_tokens_per_s",
+    "batch": "aggregate_decode_tokens_per_s",
+    "drafting-pays": "stream_decode_tokens_per_s",
+    "drafting-does-not-pay": "stream_decode_tokens_per_s",
+}
+
+
+def primary_metric(phase: str) -> str:
+    """The key of the phase's primary metric: its own for the single and spec phases, throughput
+    for the rest."""
+    key = "batch" if phase.startswith("batch-") else phase
+    return PRIMARY_METRIC.get(key, "throughput_tokens_per_s")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    workload: str
+    options: workloads.WorkloadOptions
+    settings: SystemSettings
+    baselines: tuple[str, ...]
+    repeats: int = 1
+    url: str | None = None
+    api_key: str | None = None
+    progress: bool = True
+    command: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        for name in self.baselines:
+            if name not in SYSTEMS or name == "polylane":
+                raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(list(SYSTEMS)[1:])}")
+
+
+def run(config: BenchConfig) -> dict[str, Any]:
+    """Run the bench; the results document (see `schema.json`)."""
+    from tqdm import tqdm
+
+    names = ["polylane", *config.baselines]
+    systems = {name: make_system(name, config.settings, config.url, config.api_key) for name in names}
+    built = [workloads.build(config.workload, config.options, r) for r in range(config.repeats)]
+    total = sum(len(p.requests) for w in built for p in w.phases) * len(names)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    last_timelines: dict[str, dict[str, list[dict[str, Any]]]] = {name: {} for name in names}
+    load_before = _load_average()
+    bar = tqdm(total=total, unit="req", file=sys.stderr, disable=not config.progress, dynamic_ncols=True)
+    try:
+        for repeat, workload in enumerate(built):
+            order = names if repeat % 2 == 0 else names[::-1]
+            for position, name in enumerate(order):
+                system = systems[name]
+                bar.set_description(f"repeat {repeat + 1}/{config.repeats} {name}: loading")
+                load_seconds = system.open()
+                try:
+                    phases: dict[str, Any] = {}
+                    for phase in workload.phases:
+                        bar.set_description(f"repeat {repeat + 1}/{config.repeats} {name}: {phase.name}")
+                        result = system.run(phase, lambda: bar.update(1))
+                        phases[phase.name] = metrics.summarise(result.timelines, result.engine)
+                        last_timelines[name][phase.name] = [t.to_dict() for t in result.timelines]
+                finally:
+                    system.close()
+                runs[name].append(
+                    {"repeat": repeat, "position": position, "load_seconds": load_seconds, "phases": phases}
+                )
+    finally:
+        bar.close()
+    load_after = _load_average()
+    return assemble(config, built[0], runs, last_timelines, systems, (load_before, load_after))
+
+
+def assemble(
+    config: BenchConfig,
+    workload: workloads.Workload,
+    runs: dict[str, list[dict[str, Any]]],
+    timelines: dict[str, dict[str, list[dict[str, Any]]]],
+    systems: dict[str, Any],
+    load_average: tuple[list[float], list[float]],
+) -> dict[str, Any]:
+    """The results document from every run's phase summaries."""
+    phase_names = [p.name for p in workload.phases]
+    summary = {
+        name: {
+            phase: metrics.median_summary([r["phases"][phase] for r in system_runs]) for phase in phase_names
+        }
+        for name, system_runs in runs.items()
+    }
+    out_systems: dict[str, Any] = {}
+    for name, system_runs in runs.items():
+        ratio = None
+        if name != "polylane":
+            ratio = {
+                phase: metrics.ratios(summary["polylane"][phase], summary[name][phase])
+                for phase in phase_names
+            }
+        out_systems[name] = {
+            "role": "system" if name == "polylane" else "baseline",
+            "description": SYSTEMS[name]
+            if not (name == "polylane" and config.url)
+            else f"the server at {config.url}",
+            "transport": systems[name].transport,
+            "runs": system_runs,
+            "summary": summary[name],
+            "ratio": ratio,
+        }
+    options = workload.options
+    return {
+        "schema": SCHEMA_ID,
+        "workload": config.workload,
+        "command": config.command,
+        "created_utc": datetime.datetime.now(tz=datetime.UTC).isoformat(timespec="seconds"),
+        "settings": {
+            "models": [{"name": n, "source": s} for n, s in config.settings.models],
+            "seed": options.seed,
+            "requests": options.requests,
+            "max_tokens": options.max_tokens,
+            "concurrency": options.concurrency,
+            "rate": options.rate,
+            "zipf_s": options.zipf_s,
+            "prompt_tokens": options.prompt_tokens,
+            "batch": options.batch,
+            "prefixes": options.prefixes,
+            "repeats": config.repeats,
+            "dtype": config.settings.dtype,
+            "threads": config.settings.threads,
+            "budget_bytes": config.settings.budget_bytes,
+            "kv_tokens": config.settings.kv_tokens,
+            "lane_policy": config.settings.lane_policy,
+            "drafter": config.settings.drafter,
+            "url": config.url,
+            "baselines": list(config.baselines),
+            "statistic": "median over repeats",
+            **config.extra,
+        },
+        "environment": environment(load_average),
+        "phases": [{**d, "primary_metric": primary_metric(d["name"])} for d in workloads.describe(workload)],
+        "systems": out_systems,
+        "speculation": speculation(summary, phase_names),
+        "timelines": timelines,
+    }
+
+
+def speculation(summary: dict[str, Any], phases: Sequence[str]) -> dict[str, Any]:
+    """Per phase: polylane's acceptance rate and tokens per verify (None until the engine reports
+    them) and its wall-clock decode speedup over each baseline that ran (stream decode tokens/s)."""
+    out = {}
+    for phase in phases:
+        ours = summary["polylane"][phase]
+        spec = (ours.get("engine") or {}).get("speculation") or {}
+        out[phase] = {
+            "acceptance_rate": spec.get("acceptance_rate"),
+            "tokens_per_verify": spec.get("tokens_per_verify"),
+            "speedup": {
+                name: metrics.ratio(
+                    ours.get("stream_decode_tokens_per_s"),
+                    summary[name][phase].get("stream_decode_tokens_per_s"),
+                    "higher",
+                )
+                for name in summary
+                if name != "polylane"
+            },
+        }
+    return out
+
+
+def _load_average() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def environment(load_average: tuple[list[float], list[float]]) -> dict[str, Any]:
+    versions: dict[str, str | None] = {}
+    for package in ("polylane", "torch", "transformers", "openai"):
+        try:
+            from importlib.metadata import version
+
+            versions[package] = version(package)
+        except Exception:
+            versions[package] = None
+    return {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "versions": versions,
+        "load_average_before": load_average[0],
+        "load_average_after": load_average[1],
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()

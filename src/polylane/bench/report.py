@@ -1,0 +1,362 @@
+"""Writing a bench's results: results.json, a Markdown table (results.md), PNG plots, and the
+one-line JSON summary that ends stdout. No torch.
+
+What this module owns: presentation only. Every number comes from the results document
+(`harness.assemble`); nothing is computed here but formatting. Plots use matplotlib's Agg
+backend (no display needed):
+- `primary.png`: per phase, each system's primary metric (prefill, decode or batch tokens/s in
+  `single`, decode tokens/s in `spec`, throughput elsewhere): the median as a bar, the repeats'
+  min–max as a whisker, polylane's ratio over each baseline above its bar.
+- `latency.png`: per phase, TTFT and TPOT p50 (bar) and p99 (whisker top) per system.
+- `timeline.png`: the last repeat's requests of each system and phase over time: a thin line from
+  send to first token (queueing and prefill), a thick one from first to last token (decoding),
+  coloured by model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+PLOTS = ("primary.png", "latency.png", "timeline.png")
+
+LABELS = {
+    "throughput_tokens_per_s": "tokens/s",
+    "requests_per_s": "requests/s",
+    "prefill_tokens_per_s": "prefill tokens/s",
+    "stream_decode_tokens_per_s": "decode tokens/s (per stream)",
+    "aggregate_decode_tokens_per_s": "decode tokens/s (all streams)",
+    "ttft_p50_s": "TTFT p50",
+    "ttft_p99_s": "TTFT p99",
+    "tpot_p50_s": "TPOT p50",
+    "tpot_p99_s": "TPOT p99",
+}
+
+
+def schema() -> dict[str, Any]:
+    """The JSON schema of results.json."""
+    return json.loads(resources.files("polylane.bench").joinpath("schema.json").read_text())
+
+
+def write(results: dict[str, Any], out: Path) -> dict[str, Path]:
+    """results.json, results.md and the plots under `out`; their paths by name."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "markdown": out / "results.md"}
+    paths["json"].write_text(json.dumps(results, indent=1) + "\n")
+    paths["markdown"].write_text(markdown(results))
+    for name in PLOTS:
+        paths[name] = out / name
+    plot_primary(results, paths["primary.png"])
+    plot_latency(results, paths["latency.png"])
+    plot_timeline(results, paths["timeline.png"])
+    return paths
+
+
+# ---------------------------------------------------------------------------------- Markdown
+
+
+def _number(value: float | None, digits: int = 1) -> str:
+    return "—" if value is None else f"{value:,.{digits}f}"
+
+
+def _ms(value: float | None) -> str:
+    if value is None:
+        return "—"
+    ms = value * 1000
+    return f"{ms:,.0f}" if ms >= 100 else f"{ms:,.1f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}×"
+
+
+def _share(values: dict[str, float] | None) -> str:
+    if not values:
+        return "—"
+    return ", ".join(f"{name} {share:.2f}" for name, share in values.items())
+
+
+def markdown(results: dict[str, Any]) -> str:
+    settings, env = results["settings"], results["environment"]
+    systems = results["systems"]
+    models = ", ".join(
+        m["name"] if m["name"] == m["source"] else f"{m['name']}={m['source']}" for m in settings["models"]
+    )
+    versions = env["versions"]
+    lines = [
+        f"# polylane bench `{results['workload']}`",
+        "",
+        f"`{results['command']}`" if results["command"] else "",
+        "",
+        f"Models {models}; {settings['dtype']}; seed {settings['seed']}; {settings['repeats']} repeat(s), "
+        "the median shown, systems alternating their order every repeat. "
+        f"{env['cpu_count']} cores ({env.get('processor') or env['machine']}), "
+        f"torch {versions.get('torch')}, transformers {versions.get('transformers')}; "
+        f"load average {_loads(env)}. "
+        "Ratios: how many times better polylane is (> 1: polylane better; rates ours ÷ theirs, latencies "
+        "theirs ÷ ours).",
+    ]
+    for phase in results["phases"]:
+        name, primary = phase["name"], phase["primary_metric"]
+        lines += ["", f"## `{name}`: {phase['description']}", ""]
+        header = ["system", "tokens/s"]
+        if primary != "throughput_tokens_per_s":
+            header.append(LABELS[primary])
+        header += [
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "TPOT p50 ms",
+            "TPOT p99 ms",
+            "prefix hit",
+            "errors",
+            "ratio",
+        ]
+        lines += ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+        for system_name, system in systems.items():
+            row = system["summary"][name]
+            cells = [system_name, _number(row["throughput_tokens_per_s"])]
+            if primary != "throughput_tokens_per_s":
+                cells.append(_number(row[primary]))
+            ratio = (system["ratio"] or {}).get(name, {}).get(primary)
+            cells += [
+                _ms(row["ttft_p50_s"]),
+                _ms(row["ttft_p99_s"]),
+                _ms(row["tpot_p50_s"]),
+                _ms(row["tpot_p99_s"]),
+                _number(row["prefix_hit_rate"], 2),
+                str(int(row["errors"])),
+                "—" if system["ratio"] is None else _ratio(ratio),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+        engines = [
+            (n, s["summary"][name]["engine"]) for n, s in systems.items() if s["summary"][name]["engine"]
+        ]
+        if engines:
+            lines += [
+                "",
+                "| system (engine) | decode steps | switches | max concurrent decode | decode batch mean | "
+                "lane share | residency hits / misses / evictions | page-in s | preemptions |",
+                "|---|---:|---:|---:|---:|---|---:|---:|---:|",
+            ]
+            for system_name, engine in engines:
+                concurrent = engine["max_concurrent_decode"]
+                lines.append(
+                    f"| {system_name} | {engine['decode_steps']:.0f} | {engine['switches']:.0f} | "
+                    f"{'—' if concurrent is None else f'{concurrent:.0f}'} | "
+                    f"{_number(engine['decode_batch_mean'], 2)} | {_share(engine['lane_share'])} | "
+                    f"{engine['residency_hits']:.0f} / {engine['residency_misses']:.0f} / "
+                    f"{engine['residency_evictions']:.0f} | {engine['page_in_seconds']:.2f} | "
+                    f"{engine['preemptions']:.0f} |"
+                )
+        per_model = systems["polylane"]["summary"][name]["per_model"]
+        if len(per_model) > 1:
+            lane = (systems["polylane"]["summary"][name]["engine"] or {}).get("lane_share") or {}
+            lines += [
+                "",
+                "| polylane, per model | requests | token share | lane share | TTFT p50 ms | TPOT p50 ms |",
+                "|---|---:|---:|---:|---:|---:|",
+            ]
+            for model, row in per_model.items():
+                lines.append(
+                    f"| {model} | {row['requests']:.0f} | {_number(row['token_share'], 2)} | "
+                    f"{_number(lane.get(model), 2)} | {_ms(row['ttft_p50_s'])} | {_ms(row['tpot_p50_s'])} |"
+                )
+        baselines = [(n, s["ratio"][name]) for n, s in systems.items() if s["ratio"]]
+        if baselines:
+            keys = ["throughput_tokens_per_s", "ttft_p50_s", "tpot_p50_s"]
+            if primary not in keys:
+                keys.insert(0, primary)
+            lines += [
+                "",
+                "| polylane ÷ baseline | " + " | ".join(LABELS[k] for k in keys) + " |",
+                "|---|" + "---:|" * len(keys),
+            ]
+            for baseline, ratio in baselines:
+                lines.append(f"| {baseline} | " + " | ".join(_ratio(ratio.get(k)) for k in keys) + " |")
+    if results["workload"] == "spec":
+        lines += [
+            "",
+            "## Speculation",
+            "",
+            "| phase | acceptance rate | tokens per verify | decode speedup |",
+            "|---|---:|---:|---|",
+        ]
+        for phase, spec in results["speculation"].items():
+            speedups = ", ".join(f"vs {n} {_ratio(v)}" for n, v in spec["speedup"].items()) or "—"
+            lines.append(
+                f"| {phase} | {_number(spec['acceptance_rate'], 2)} | "
+                f"{_number(spec['tokens_per_verify'], 2)} | {speedups} |"
+            )
+        lines += ["", "Acceptance and tokens per verify show — until the engine reports speculation."]
+    lines += ["", "Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS), ""]
+    return "\n".join(lines)
+
+
+def _loads(env: dict[str, Any]) -> str:
+    before, after = env.get("load_average_before") or [], env.get("load_average_after") or []
+    if not before or not after:
+        return "unknown"
+    return f"{before[0]:.1f} before, {after[0]:.1f} after (1 min)"
+
+
+# ---------------------------------------------------------------------------------- final line
+
+
+def final_line(results: dict[str, Any], out: Path) -> str:
+    """The one-line JSON document that ends stdout: headline numbers, ratios, where the rest is."""
+    keys = ("throughput_tokens_per_s", "ttft_p50_s", "tpot_p50_s", "prefix_hit_rate")
+    systems: dict[str, Any] = {}
+    ratios: dict[str, Any] = {}
+    for name, system in results["systems"].items():
+        systems[name] = {}
+        for phase in results["phases"]:
+            row = system["summary"][phase["name"]]
+            picked = {k: row[k] for k in (phase["primary_metric"], *keys)}
+            engine = row["engine"] or {}
+            picked.update({k: engine.get(k) for k in ("switches", "max_concurrent_decode", "lane_share")})
+            systems[name][phase["name"]] = picked
+        if system["ratio"]:
+            ratios[name] = {
+                phase["name"]: {
+                    k: system["ratio"][phase["name"]].get(k) for k in (phase["primary_metric"], *keys[:3])
+                }
+                for phase in results["phases"]
+            }
+    document = {
+        "workload": results["workload"],
+        "results": str(out / "results.json"),
+        "repeats": results["settings"]["repeats"],
+        "systems": systems,
+        "ratios": ratios,
+        "speculation": results["speculation"],
+        "load_average": [
+            (results["environment"]["load_average_before"] or [None])[0],
+            (results["environment"]["load_average_after"] or [None])[0],
+        ],
+    }
+    return json.dumps(document)
+
+
+# ---------------------------------------------------------------------------------- plots
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _colours(names: Sequence[str]) -> dict[str, Any]:
+    plt = _pyplot()
+    cycle = plt.get_cmap("tab10")
+    return {name: cycle(i % 10) for i, name in enumerate(names)}
+
+
+def plot_primary(results: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+    phases, systems = results["phases"], results["systems"]
+    colours = _colours(list(systems))
+    figure, axes = plt.subplots(1, len(phases), figsize=(4.2 * len(phases), 3.6), squeeze=False)
+    for axis, phase in zip(axes[0], phases, strict=True):
+        key = phase["primary_metric"]
+        names = list(systems)
+        medians = [systems[n]["summary"][phase["name"]][key] or 0.0 for n in names]
+        spread = [[r["phases"][phase["name"]][key] or 0.0 for r in systems[n]["runs"]] for n in names]
+        low = [m - min(s) for m, s in zip(medians, spread, strict=True)]
+        high = [max(s) - m for m, s in zip(medians, spread, strict=True)]
+        bars = axis.bar(names, medians, color=[colours[n] for n in names], yerr=[low, high], capsize=3)
+        for bar, name in zip(bars, names, strict=True):
+            ratio = (systems[name]["ratio"] or {}).get(phase["name"], {}).get(key)
+            if ratio is not None:
+                axis.annotate(
+                    f"polylane {ratio:.2f}×",
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                    xytext=(0, 4),
+                    textcoords="offset points",
+                )
+        axis.set_title(phase["name"], fontsize=10)
+        axis.set_ylabel(LABELS[key], fontsize=8)
+        axis.tick_params(axis="x", labelsize=8, rotation=20)
+        axis.tick_params(axis="y", labelsize=8)
+        axis.margins(y=0.15)
+    figure.suptitle(
+        f"polylane bench {results['workload']}: median of {results['settings']['repeats']}", fontsize=10
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_latency(results: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+    phases, systems = results["phases"], results["systems"]
+    colours = _colours(list(systems))
+    figure, axes = plt.subplots(len(phases), 2, figsize=(9, 2.8 * len(phases)), squeeze=False)
+    for row, phase in enumerate(phases):
+        for column, (p50, p99, title) in enumerate(
+            (
+                ("ttft_p50_s", "ttft_p99_s", "time to first token"),
+                ("tpot_p50_s", "tpot_p99_s", "time per output token"),
+            )
+        ):
+            axis = axes[row][column]
+            names = list(systems)
+            medians = [1000 * (systems[n]["summary"][phase["name"]][p50] or 0.0) for n in names]
+            tails = [1000 * (systems[n]["summary"][phase["name"]][p99] or 0.0) for n in names]
+            axis.bar(
+                names,
+                medians,
+                color=[colours[n] for n in names],
+                yerr=[[0.0] * len(names), [max(0.0, t - m) for t, m in zip(tails, medians, strict=True)]],
+                capsize=3,
+            )
+            axis.set_title(f"{phase['name']}: {title} (p50, whisker p99)", fontsize=9)
+            axis.set_ylabel("ms", fontsize=8)
+            axis.tick_params(axis="x", labelsize=8, rotation=20)
+            axis.tick_params(axis="y", labelsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_timeline(results: dict[str, Any], path: Path) -> None:
+    plt = _pyplot()
+    phases, timelines = results["phases"], results["timelines"]
+    names = list(timelines)
+    models = sorted({m["name"] for m in results["settings"]["models"]})
+    colours = _colours(models)
+    figure, axes = plt.subplots(
+        len(phases), len(names), figsize=(4.5 * len(names), 2.6 * len(phases)), squeeze=False, sharey="row"
+    )
+    for row, phase in enumerate(phases):
+        for column, name in enumerate(names):
+            axis = axes[row][column]
+            for index, t in enumerate(timelines[name].get(phase["name"], [])):
+                colour = colours.get(t["model"], "grey")
+                if t["first_token"] is None:
+                    axis.plot([t["sent"]], [index], marker="x", color="red", markersize=4)
+                    continue
+                axis.plot(
+                    [t["sent"], t["first_token"]], [index, index], color=colour, linewidth=0.8, alpha=0.5
+                )
+                end = t["last_token"] if t["last_token"] is not None else t["first_token"]
+                axis.plot([t["first_token"], end], [index, index], color=colour, linewidth=2.5)
+            axis.set_title(f"{name}: {phase['name']}", fontsize=9)
+            axis.set_xlabel("seconds", fontsize=8)
+            axis.tick_params(labelsize=7)
+            if column == 0:
+                axis.set_ylabel("request", fontsize=8)
+    handles = [plt.Line2D([0], [0], color=colours[m], linewidth=2.5) for m in models]
+    figure.legend(handles, models, loc="lower center", ncol=len(models), fontsize=8, frameon=False)
+    figure.tight_layout(rect=(0, 0.06, 1, 1))
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -1,0 +1,274 @@
+"""The systems a bench compares, as the harness drives them: open, run a phase, close. No torch.
+
+What this module owns: what each system name means, and the parent's side of running it — local
+systems in worker processes (`worker.py`), a running server through `http_client`. A system is
+opened (loaded and warmed up) before its turn in a repeat and closed after it, so only one
+system holds memory at a time and none keeps a prefix cache from an earlier repeat.
+
+Systems:
+- `polylane`: the system under test. One engine serving every model, one decode lane, prefix
+  cache on (with `--url`: the server at that address, through the `openai` client).
+- `plain`: the same engine with the prefix cache off (and speculation off, once the engine has
+  it): the baseline for what caching and drafting buy.
+- `per-process`: one polylane engine per model, each in its own process, started together; each
+  gets its model's share of every phase with the same arrival times and a concurrency cap scaled to
+  its share (`Phase.only`), the way one-process-per-model servers are deployed. Timelines of the
+  processes are merged on their common start; engine counters are added up.
+- `transformers`: Hugging Face `generate` on the same GGUF at the same dtype (`hf_client`).
+- `transformers-assisted`: transformers assisted generation with `--drafter` as the assistant
+  model, or n-gram prompt lookup when no drafter is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+from polylane.bench.metrics import EngineCounters, RequestTimeline, merge_counters
+from polylane.bench.workloads import Phase
+
+SYSTEMS: dict[str, str] = {
+    "polylane": "polylane: one engine, every model, one decode lane, prefix cache on",
+    "plain": "polylane with the prefix cache and speculation off",
+    "per-process": "one polylane process per model, all at once, each serving its model's share",
+    "transformers": "Hugging Face transformers generate on the same GGUF, same dtype",
+    "transformers-assisted": "transformers assisted generation (the drafter, or n-gram prompt lookup)",
+}
+BASELINES = tuple(name for name in SYSTEMS if name != "polylane")
+DEFAULT_BASELINES: dict[str, tuple[str, ...]] = {
+    "single": ("transformers",),
+    "mix": ("plain", "per-process"),
+    "shared-prefix": ("plain",),
+    "spec": ("plain", "transformers-assisted"),
+}
+
+
+@dataclass(frozen=True)
+class SystemSettings:
+    """What every local system is built with."""
+
+    models: tuple[tuple[str, str], ...]  # (served name, catalogue name or path)
+    dtype: str = "fp32"
+    budget_bytes: int = 64 * 2**30
+    kv_tokens: int = 2048
+    lane_policy: str = "throughput"
+    threads: int = 0  # torch threads per process (0: torch's default)
+    drafter: str | None = None  # transformers-assisted: the assistant model
+
+
+@dataclass
+class PhaseRun:
+    timelines: list[RequestTimeline]
+    engine: EngineCounters | None
+
+
+class System:
+    name: str
+    transport: str  # in-process engine in a worker | http | processes | transformers
+
+    def open(self) -> float:
+        """Load and warm up; the seconds it took."""
+        raise NotImplementedError
+
+    def run(self, phase: Phase, on_done: Callable[[], None]) -> PhaseRun:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed; the message carries the end of its stderr."""
+
+
+class _Worker:
+    def __init__(self, label: str, setup: dict[str, Any]) -> None:
+        self.label = label
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in close()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "polylane.bench.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+        )
+        self.send({"op": "start", **setup})
+
+    def send(self, message: dict[str, Any]) -> None:
+        stdin: TextIO = self.process.stdin  # type: ignore[assignment]
+        stdin.write(json.dumps(message) + "\n")
+        stdin.flush()
+
+    def receive(self) -> dict[str, Any]:
+        line = self.process.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            code = self.process.wait()
+            raise WorkerError(f"{self.label} worker exited (status {code}):\n{self.stderr_tail()}")
+        message = json.loads(line)
+        if message.get("event") == "error":
+            raise WorkerError(f"{self.label} worker: {message['message']}\n{self.stderr_tail()}")
+        return message
+
+    def stderr_tail(self, characters: int = 3000) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()[-characters:]
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            try:
+                self.send({"op": "quit"})
+                self.process.wait(timeout=120)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+class WorkerSystem(System):
+    """A local system: one worker process, or one per model (`per_model`)."""
+
+    def __init__(self, name: str, setup: dict[str, Any], models: Sequence[tuple[str, str]], per_model: bool):
+        self.name = name
+        self.transport = "processes" if per_model else "worker"
+        self.setup = setup
+        self.models = tuple(models)
+        self.per_model = per_model
+        self.workers: dict[str, _Worker] = {}
+
+    def open(self) -> float:
+        groups = [(n, [(n, s)]) for n, s in self.models] if self.per_model else [("all", list(self.models))]
+        try:
+            for key, models in groups:  # all start at once: the loads overlap, as they would
+                self.workers[key] = _Worker(f"{self.name}/{key}", {**self.setup, "models": models})
+            return max(worker.receive()["load_seconds"] for worker in self.workers.values())
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, phase: Phase, on_done: Callable[[], None]) -> PhaseRun:
+        if self.per_model:
+            parts = {key: phase.only(key) for key in self.workers}
+            parts = {key: part for key, part in parts.items() if part.requests}
+        else:
+            parts = {"all": phase}
+        for key, part in parts.items():  # the start signals go out back to back
+            self.workers[key].send({"op": "run", "phase": part.to_dict()})
+        results: dict[str, dict[str, Any] | BaseException] = {}
+        lock = threading.Lock()
+
+        def collect(key: str) -> None:
+            worker = self.workers[key]
+            try:
+                while True:
+                    message = worker.receive()
+                    if message["event"] == "done":
+                        with lock:
+                            on_done()
+                    elif message["event"] == "result":
+                        results[key] = message
+                        return
+            except BaseException as error:
+                results[key] = error
+
+        threads = [threading.Thread(target=collect, args=(key,), daemon=True) for key in parts]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for outcome in results.values():
+            if isinstance(outcome, BaseException):
+                raise outcome
+        messages = [r for r in results.values() if isinstance(r, dict)]
+        timelines = [RequestTimeline.from_dict(t) for m in messages for t in m["timelines"]]
+        counters = [EngineCounters.from_dict(m["engine"]) for m in messages if m["engine"] is not None]
+        engine = None
+        if counters:
+            engine = counters[0] if not self.per_model else merge_counters(counters)
+        order = {r.request_id: i for i, r in enumerate(phase.requests)}
+        timelines.sort(key=lambda t: order.get(t.request_id, len(order)))
+        return PhaseRun(timelines, engine)
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            worker.close()
+        self.workers = {}
+
+
+class UrlSystem(System):
+    """A running OpenAI-compatible server (polylane's own exports engine counters on /metrics)."""
+
+    def __init__(self, name: str, url: str, api_key: str | None, models: Sequence[str]) -> None:
+        self.name = name
+        self.transport = "http"
+        self.url = url
+        self.api_key = api_key
+        self.models = tuple(models)
+
+    def _client(self) -> Any:
+        from polylane.bench.http_client import HttpClient
+
+        return HttpClient(self.url, self.api_key)
+
+    def open(self) -> float:
+        served = self._client().models
+        missing = [m for m in self.models if m not in served]
+        if missing:
+            raise ValueError(f"{self.url} does not serve {missing}; it serves {served}")
+        return 0.0
+
+    def run(self, phase: Phase, on_done: Callable[[], None]) -> PhaseRun:
+        from polylane.bench.replay import replay
+
+        async def go() -> tuple[list[RequestTimeline], Any]:
+            client = self._client()  # an AsyncOpenAI client belongs to one event loop
+            try:
+                before = client.counters()
+                timelines = await replay(phase, client, lambda _: on_done())
+                after = client.counters()
+            finally:
+                await client.close()
+            engine = after.delta(before) if before is not None and after is not None else None
+            return timelines, engine
+
+        timelines, engine = asyncio.run(go())
+        return PhaseRun(timelines, engine)
+
+    def close(self) -> None:
+        pass
+
+
+def make_system(
+    name: str, settings: SystemSettings, url: str | None = None, api_key: str | None = None
+) -> System:
+    """The system `name` (see the module docstring); `url`: polylane runs against that server."""
+    engine_setup: dict[str, Any] = {
+        "kind": "engine",
+        "dtype": settings.dtype,
+        "budget_bytes": settings.budget_bytes,
+        "kv_tokens": settings.kv_tokens,
+        "lane_policy": settings.lane_policy,
+        "prefix_cache": True,
+        "threads": settings.threads,
+    }
+    if name == "polylane":
+        if url is not None:
+            return UrlSystem(name, url, api_key, [n for n, _ in settings.models])
+        return WorkerSystem(name, engine_setup, settings.models, per_model=False)
+    if name == "plain":
+        return WorkerSystem(name, {**engine_setup, "prefix_cache": False}, settings.models, per_model=False)
+    if name == "per-process":
+        return WorkerSystem(name, engine_setup, settings.models, per_model=True)
+    if name in ("transformers", "transformers-assisted"):
+        setup = {"kind": "transformers", "dtype": settings.dtype, "threads": settings.threads}
+        if name == "transformers-assisted":
+            setup["assisted"] = settings.drafter or "prompt-lookup"
+        return WorkerSystem(name, setup, settings.models, per_model=False)
+    raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")

@@ -1,0 +1,128 @@
+"""A bench system in its own process: `python -m polylane.bench.worker`, driven over stdin/stdout.
+
+What this module owns: the worker side of the protocol the harness (`systems.py`) speaks. Every
+local system runs in workers, so systems never share a heap, a thread pool or a prefix cache, and
+only one system holds memory at a time.
+
+Protocol: one JSON object per line. The parent sends `{"op": "start", ...setup}`; the worker
+loads and warms up, then answers `{"event": "ready", "load_seconds": s}`. For each
+`{"op": "run", "phase": {...}}` it answers `{"event": "done"}` once per finished request (progress)
+and then `{"event": "result", "timelines": [...], "engine": counters or null}`, the timelines on
+the worker's clock from the moment it read the command. `{"op": "quit"}` ends it. Any failure is
+answered with `{"event": "error", "message": ...}` and a non-zero exit. Whatever else the worker
+prints goes to its stderr: the real stdout carries the protocol only.
+
+Setups: `{"kind": "engine", "models": [[name, source], ...], "dtype", "budget_bytes",
+"kv_tokens", "lane_policy", "prefix_cache", "threads"}` (polylane, plain, one of the
+per-process engines) or `{"kind": "transformers", "models", "dtype", "assisted", "threads"}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any, TextIO
+
+from polylane.bench.workloads import Phase
+
+
+def _answer(stream: TextIO, message: dict[str, Any]) -> None:
+    stream.write(json.dumps(message) + "\n")
+    stream.flush()
+
+
+def main() -> int:
+    protocol: TextIO = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints go to stderr
+    try:
+        _serve(protocol)
+    except Exception as error:
+        traceback.print_exc(file=sys.stderr)
+        _answer(protocol, {"event": "error", "message": f"{type(error).__name__}: {error}"})
+        return 1
+    return 0
+
+
+def _serve(protocol: TextIO) -> None:
+    setup = json.loads(sys.stdin.readline() or "{}")
+    if setup.get("op") != "start":
+        raise ValueError(f"expected a start command, got {setup!r}")
+    import torch
+
+    if setup.get("threads"):
+        torch.set_num_threads(int(setup["threads"]))
+    models = tuple((name, source) for name, source in setup["models"])
+    started = time.perf_counter()
+    if setup["kind"] == "engine":
+        system: _EngineSystem | _TransformersSystem = _EngineSystem(setup, models)
+    elif setup["kind"] == "transformers":
+        system = _TransformersSystem(setup, models)
+    else:
+        raise ValueError(f"unknown worker kind {setup['kind']!r}")
+    _answer(protocol, {"event": "ready", "load_seconds": time.perf_counter() - started})
+    try:
+        for line in sys.stdin:
+            command = json.loads(line)
+            if command["op"] == "quit":
+                return
+            if command["op"] != "run":
+                raise ValueError(f"unknown command {command['op']!r}")
+            phase = Phase.from_dict(command["phase"])
+            timelines, engine = system.run(phase, lambda _: _answer(protocol, {"event": "done"}))
+            _answer(
+                protocol,
+                {"event": "result", "timelines": [t.to_dict() for t in timelines], "engine": engine},
+            )
+    finally:
+        system.close()
+
+
+class _EngineSystem:
+    def __init__(self, setup: dict[str, Any], models: tuple[tuple[str, str], ...]) -> None:
+        from polylane.bench.engine_client import EngineClient, EngineSetup, open_engine
+
+        self.engine = open_engine(
+            EngineSetup(
+                models,
+                dtype=setup["dtype"],
+                budget_bytes=int(setup["budget_bytes"]),
+                kv_tokens=int(setup["kv_tokens"]),
+                lane_policy=setup["lane_policy"],
+                prefix_cache=bool(setup["prefix_cache"]),
+            )
+        )
+        self.client = EngineClient(self.engine)
+
+    def run(self, phase: Phase, on_done: Any) -> tuple[list[Any], dict[str, Any]]:
+        from polylane.bench.engine_client import engine_counters
+        from polylane.bench.replay import replay
+
+        before = engine_counters(self.engine)
+        timelines = asyncio.run(replay(phase, self.client, on_done))
+        return timelines, engine_counters(self.engine).delta(before).to_dict()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class _TransformersSystem:
+    def __init__(self, setup: dict[str, Any], models: tuple[tuple[str, str], ...]) -> None:
+        from polylane.bench.hf_client import TransformersRunner
+
+        self.runner = TransformersRunner(models, setup["dtype"], setup.get("assisted"))
+        self.runner.load_all()
+        self.runner.warm_up()
+
+    def run(self, phase: Phase, on_done: Any) -> tuple[list[Any], None]:
+        return self.runner.run(phase, on_done), None
+
+    def close(self) -> None:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,410 @@
+"""The four bench workloads as seeded, reproducible request lists. Pure: no torch, no clocks.
+
+What this module owns: the prompt library shipped in `polylane/bench/prompts/*.jsonl` (chat, code,
+extraction, summarisation, code edits, repetitive copying, creative writing, and long system
+prompts with questions for them), and turning (workload name, options, seed, repeat) into a
+`Workload`: phases of `BenchRequest`s with arrival times, token limits and a concurrency cap.
+The same arguments always give the same requests.
+
+Workloads:
+- `single`: one model (the first given), one stream at a time. Phase `prefill`: long document
+  prompts (about `prompt_tokens` tokens, sent as plain text), one output token each: TTFT is the
+  prefill. Phase `decode`: chat prompts, `max_tokens` tokens each, one at a time. Phase
+  `batch-<B>`: B chat prompts sent at once (the batch-B decode speed).
+- `mix`: many models; each request picks its model by Zipf popularity (weight 1 / rank^s, rank
+  by the order models are given), its category (chat, code, extraction, summarisation) uniformly
+  and a prompt of that category; arrivals are a Poisson process of `rate` requests/s (0: all at
+  once); at most `concurrency` requests are in flight; output lengths are uniform in
+  [max_tokens / 2, max_tokens].
+- `shared-prefix`: `prefixes` long system prompts (about 600 tokens each), each shared by many
+  requests that ask short questions under it; models by Zipf popularity, Poisson arrivals.
+- `spec`: phase `drafting-pays` (extraction, code edits, copying: the answer repeats the prompt,
+  so n-gram prompt lookup and small drafters hit) and phase `drafting-does-not-pay` (open
+  creative writing), one request at a time, stopping at end of sequence (output lengths are then
+  the model's own). Speculation metrics stay empty until the engine reports them.
+
+Every request starts with a short reference tag drawn from (seed, repeat, index), so repeats never
+find each other's prompts in a prefix cache (a server that stays up between repeats would
+otherwise serve repeat 2 from repeat 1's KV); in `shared-prefix` the tag of each system prompt is
+drawn per repeat, so requests of one repeat share it and repeats do not. Requests ignore the end of
+sequence (except in `spec`) so that every system generates exactly the same number of tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass, replace
+from functools import cache
+from importlib import resources
+from typing import Any
+
+WORKLOADS = ("single", "mix", "shared-prefix", "spec")
+MIX_CATEGORIES = ("chat", "code", "extraction", "summarisation")
+DRAFTING_PAYS = ("extraction", "code-edit", "repetitive")
+DRAFTING_DOES_NOT_PAY = ("creative",)
+DOCUMENT_SOURCES = ("summarisation", "extraction", "system")
+
+
+@dataclass(frozen=True)
+class PromptEntry:
+    id: str
+    category: str
+    prompt: str
+    questions: tuple[str, ...] = ()
+
+
+@cache
+def load_prompts(category: str) -> tuple[PromptEntry, ...]:
+    """The shipped prompts of one category (`prompts/<category>.jsonl`), in file order."""
+    path = resources.files("polylane.bench").joinpath("prompts", f"{category}.jsonl")
+    if not path.is_file():
+        raise ValueError(f"no prompt file for category {category!r}")
+    entries = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            data = json.loads(line)
+            entries.append(
+                PromptEntry(data["id"], data["category"], data["prompt"], tuple(data.get("questions", ())))
+            )
+    return tuple(entries)
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request of a workload. Drivers send it as chat messages (`messages()`) when `chat` is
+    set and the model has a chat template, and as a plain completion prompt (`text()`) otherwise."""
+
+    request_id: str
+    model: str
+    category: str
+    user: str
+    max_tokens: int
+    arrival_s: float = 0.0  # seconds after the phase starts
+    system: str | None = None
+    chat: bool = True
+    ignore_eos: bool = True
+
+    def messages(self) -> list[dict[str, str]]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return [*system, {"role": "user", "content": self.user}]
+
+    def text(self) -> str:
+        return f"{self.system}\n\n{self.user}" if self.system else self.user
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BenchRequest:
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Requests replayed together: each is sent at its arrival time, at most `concurrency` at once
+    (0: no cap)."""
+
+    name: str
+    requests: tuple[BenchRequest, ...]
+    concurrency: int = 0
+    description: str = ""
+
+    @property
+    def models(self) -> list[str]:
+        return sorted({r.model for r in self.requests})
+
+    def only(self, model: str) -> Phase:
+        """This phase's requests for one model (one process per model), the cap scaled to its share:
+        max(1, round(concurrency × its share of the requests))."""
+        mine = tuple(r for r in self.requests if r.model == model)
+        cap = self.concurrency
+        if cap and self.requests:
+            cap = max(1, round(cap * len(mine) / len(self.requests)))
+        return replace(self, requests=mine, concurrency=cap)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "concurrency": self.concurrency,
+            "description": self.description,
+            "requests": [r.to_dict() for r in self.requests],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Phase:
+        requests = tuple(BenchRequest.from_dict(r) for r in data["requests"])
+        return cls(data["name"], requests, data["concurrency"], data.get("description", ""))
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    phases: tuple[Phase, ...]
+    options: WorkloadOptions
+
+    @property
+    def models(self) -> list[str]:
+        names: list[str] = []
+        for phase in self.phases:
+            names += [m for m in (r.model for r in phase.requests) if m not in names]
+        return names
+
+
+@dataclass(frozen=True)
+class WorkloadOptions:
+    """What shapes a workload. None means the workload's default (`DEFAULTS`)."""
+
+    models: tuple[str, ...]
+    seed: int = 0
+    requests: int | None = None  # per phase (single, spec) or in all (mix, shared-prefix)
+    max_tokens: int | None = None
+    concurrency: int | None = None
+    rate: float | None = None  # Poisson arrivals per second; 0: all at once
+    zipf_s: float = 1.1
+    prompt_tokens: int = 512  # single: the prefill prompt's length (approximate)
+    batch: int = 8  # single: requests decoding together in the batch phase
+    prefixes: int = 3  # shared-prefix: distinct system prompts
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("a workload needs at least one model")
+        for name, value in (("requests", self.requests), ("max_tokens", self.max_tokens)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.concurrency is not None and self.concurrency < 0:
+            raise ValueError(f"concurrency must be >= 0 (0: no cap), got {self.concurrency}")
+        if self.rate is not None and self.rate < 0:
+            raise ValueError(f"rate must be >= 0 (0: all at once), got {self.rate}")
+        if self.batch < 1 or self.prefixes < 1 or self.prompt_tokens < 16:
+            raise ValueError("batch and prefixes must be >= 1, prompt_tokens >= 16")
+
+    def resolved(self, workload: str) -> WorkloadOptions:
+        """These options with the workload's defaults filled in."""
+        defaults = DEFAULTS[workload]
+        return replace(
+            self,
+            requests=self.requests if self.requests is not None else defaults["requests"],
+            max_tokens=self.max_tokens if self.max_tokens is not None else defaults["max_tokens"],
+            concurrency=self.concurrency if self.concurrency is not None else defaults["concurrency"],
+            rate=self.rate if self.rate is not None else defaults["rate"],
+        )
+
+
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "single": {"requests": 3, "max_tokens": 64, "concurrency": 1, "rate": 0.0},
+    "mix": {"requests": 48, "max_tokens": 48, "concurrency": 8, "rate": 1.0},
+    "shared-prefix": {"requests": 24, "max_tokens": 32, "concurrency": 4, "rate": 1.0},
+    "spec": {"requests": 4, "max_tokens": 64, "concurrency": 1, "rate": 0.0},
+}
+
+
+def zipf_weights(count: int, s: float) -> list[float]:
+    """Popularity of ranks 1..count: 1 / rank^s, normalised to sum to 1."""
+    raw = [1.0 / (rank**s) for rank in range(1, count + 1)]
+    total = sum(raw)
+    return [w / total for w in raw]
+
+
+def poisson_arrivals(count: int, rate: float, rng: random.Random) -> list[float]:
+    """Arrival times (s) of a Poisson process: exponential gaps of mean 1 / rate; rate 0: all at 0."""
+    if rate <= 0:
+        return [0.0] * count
+    times, now = [], 0.0
+    for _ in range(count):
+        times.append(now)
+        now += rng.expovariate(rate)
+    return times
+
+
+def tag(seed: int, repeat: int, index: int | str) -> str:
+    """A short reference code, the same for the same arguments."""
+    return f"{random.Random(f'{seed}:{repeat}:{index}').randrange(16**6):06x}"
+
+
+def build(name: str, options: WorkloadOptions, repeat: int = 0) -> Workload:
+    """The workload `name` for one repeat (same arguments, same requests)."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    options = options.resolved(name)
+    rng = random.Random(f"{name}:{options.seed}:{repeat}")
+    builder = {"single": _single, "mix": _mix, "shared-prefix": _shared_prefix, "spec": _spec}[name]
+    return Workload(name, builder(options, rng, repeat), options)
+
+
+def _user(options: WorkloadOptions, repeat: int, index: int, text: str) -> str:
+    return f"(ref {tag(options.seed, repeat, index)}) {text}"
+
+
+def document(rng: random.Random, words: int) -> str:
+    """Passages of the shipped prompts, in a seeded order, until about `words` words."""
+    passages = [e.prompt for category in DOCUMENT_SOURCES for e in load_prompts(category)]
+    rng.shuffle(passages)
+    chosen: list[str] = []
+    count = 0
+    while count < words:
+        passage = passages[len(chosen) % len(passages)]
+        chosen.append(passage)
+        count += len(passage.split())
+    return " ".join(" ".join(chosen).split()[:words])
+
+
+def _single(options: WorkloadOptions, rng: random.Random, repeat: int) -> tuple[Phase, ...]:
+    model, count, max_tokens = options.models[0], options.requests or 1, options.max_tokens or 1
+    chats = list(load_prompts("chat"))
+    words = max(8, round(options.prompt_tokens * 0.75))  # English: about 4/3 tokens per word
+    prefill = tuple(
+        BenchRequest(
+            f"prefill-{i}",
+            model,
+            "document",
+            _user(options, repeat, f"prefill-{i}", f"Read these notes.\n\n{document(rng, words)}"),
+            max_tokens=1,
+            chat=False,
+        )
+        for i in range(count)
+    )
+    decode = tuple(
+        BenchRequest(
+            f"decode-{i}",
+            model,
+            "chat",
+            _user(options, repeat, f"decode-{i}", rng.choice(chats).prompt),
+            max_tokens,
+        )
+        for i in range(count)
+    )
+    batch = tuple(
+        BenchRequest(
+            f"batch-{i}",
+            model,
+            "chat",
+            _user(options, repeat, f"batch-{i}", chats[(i + repeat) % len(chats)].prompt),
+            max_tokens,
+        )
+        for i in range(options.batch)
+    )
+    return (
+        Phase(
+            "prefill", prefill, 1, f"{count} prompts of about {options.prompt_tokens} tokens, one at a time"
+        ),
+        Phase("decode", decode, 1, f"{count} streams of {max_tokens} tokens, one at a time"),
+        Phase(
+            f"batch-{options.batch}",
+            batch,
+            options.batch,
+            f"{options.batch} streams of {max_tokens} tokens sent at once",
+        ),
+    )
+
+
+def _lengths(options: WorkloadOptions, rng: random.Random) -> int:
+    top = options.max_tokens or 1
+    return rng.randint(max(1, top // 2), top)
+
+
+def _mix(options: WorkloadOptions, rng: random.Random, repeat: int) -> tuple[Phase, ...]:
+    count = options.requests or 1
+    weights = zipf_weights(len(options.models), options.zipf_s)
+    arrivals = poisson_arrivals(count, options.rate or 0.0, rng)
+    requests = []
+    for i, arrival in enumerate(arrivals):
+        model = rng.choices(options.models, weights)[0]
+        category = rng.choice(MIX_CATEGORIES)
+        prompt = rng.choice(load_prompts(category)).prompt
+        requests.append(
+            BenchRequest(
+                f"mix-{i}",
+                model,
+                category,
+                _user(options, repeat, i, prompt),
+                _lengths(options, rng),
+                arrival,
+            )
+        )
+    description = (
+        f"{count} requests over {len(options.models)} models (Zipf s={options.zipf_s}), Poisson "
+        f"{options.rate}/s, at most {options.concurrency or 'any'} in flight"
+    )
+    return (Phase("mix", tuple(requests), options.concurrency or 0, description),)
+
+
+def _shared_prefix(options: WorkloadOptions, rng: random.Random, repeat: int) -> tuple[Phase, ...]:
+    count = options.requests or 1
+    systems = list(load_prompts("system"))[: options.prefixes]
+    if len(systems) < options.prefixes:
+        raise ValueError(f"only {len(systems)} system prompts are shipped; asked for {options.prefixes}")
+    weights = zipf_weights(len(options.models), options.zipf_s)
+    arrivals = poisson_arrivals(count, options.rate or 0.0, rng)
+    requests = []
+    for i, arrival in enumerate(arrivals):
+        entry = systems[i % len(systems)] if i < len(systems) else rng.choice(systems)
+        system = f"Session {tag(options.seed, repeat, entry.id)}.\n{entry.prompt}"
+        question = rng.choice(entry.questions)
+        requests.append(
+            BenchRequest(
+                f"shared-{i}",
+                rng.choices(options.models, weights)[0],
+                entry.id,
+                _user(options, repeat, i, question),
+                _lengths(options, rng),
+                arrival,
+                system=system,
+            )
+        )
+    description = (
+        f"{count} requests sharing {len(systems)} system prompts, Poisson {options.rate}/s, "
+        f"at most {options.concurrency or 'any'} in flight"
+    )
+    return (Phase("shared-prefix", tuple(requests), options.concurrency or 0, description),)
+
+
+def _spec(options: WorkloadOptions, rng: random.Random, repeat: int) -> tuple[Phase, ...]:
+    count, max_tokens = options.requests or 1, options.max_tokens or 1
+    phases = []
+    for name, categories in (
+        ("drafting-pays", DRAFTING_PAYS),
+        ("drafting-does-not-pay", DRAFTING_DOES_NOT_PAY),
+    ):
+        pool = [e for c in categories for e in load_prompts(c)]
+        rng.shuffle(pool)
+        requests = tuple(
+            BenchRequest(
+                f"{name}-{i}",
+                options.models[i % len(options.models)],
+                pool[i % len(pool)].category,
+                _user(options, repeat, f"{name}-{i}", pool[i % len(pool)].prompt),
+                max_tokens,
+                ignore_eos=False,
+            )
+            for i in range(count)
+        )
+        phases.append(
+            Phase(name, requests, 1, f"{count} {'/'.join(categories)} prompts, one at a time, to EOS")
+        )
+    return tuple(phases)
+
+
+def describe(workload: Workload) -> list[dict[str, Any]]:
+    """Per phase: name, description, concurrency, request counts per model and per category, the
+    last arrival and the total of max_tokens."""
+    out = []
+    for phase in workload.phases:
+        models: dict[str, int] = {}
+        categories: dict[str, int] = {}
+        for r in phase.requests:
+            models[r.model] = models.get(r.model, 0) + 1
+            categories[r.category] = categories.get(r.category, 0) + 1
+        out.append(
+            {
+                "name": phase.name,
+                "description": phase.description,
+                "requests": len(phase.requests),
+                "concurrency": phase.concurrency,
+                "models": models,
+                "categories": categories,
+                "last_arrival_s": max((r.arrival_s for r in phase.requests), default=0.0),
+                "max_tokens_total": sum(r.max_tokens for r in phase.requests),
+            }
+        )
+    return out
