@@ -1,0 +1,553 @@
+"""The speculation controller: per request and round, which drafter, which shape, or none.
+
+What this module owns: `SpeculationConfig` (how a model speculates, as a user sets it), the live
+statistics of each (target, drafter) pair and of each request, the cost model, and the decision.
+The runtime measures and reports; this module decides. Pure policy: floats and names, no clocks
+(the runtime hands in measured seconds).
+
+Statistics (exponentially decayed, so they follow the text being written):
+- acceptance, per pair and per request: at every verified node that the drafter expanded (the
+  committed prefix, then each accepted node), the rank the target's own next token had among the
+  drafter's candidates there (0 = its best guess; "miss" when it was not among them), by depth.
+  With top-k children at a depth the chance to accept there is the sum of the first k rank
+  rates. For a deterministic draft (greedy, top-k, n-gram) that is exact; for sampled drafts it
+  is the rate of the token the target produced.
+- tokens per verify, per pair and shape: the realised mean, used once a shape has been tried
+  enough, in place of the model above.
+- costs: seconds per drafter forward (one depth for a batch) per drafter, and a linear fit of the
+  target's forward seconds against the tokens it computes, t(n) = a + b·n, fed by plain decode
+  steps (n = batch) and verify passes (n = every draft node plus the last token of each request).
+
+The decision for a request in a batch of B: for every available drafter and every candidate
+shape, expected tokens E (1 + the expected accepted length) over expected cost relative to plain
+decode, (depth·c_draft + t(B·(nodes + 1))) / t(B). The best wins if its speedup beats
+`min_speedup`; otherwise the request decodes plainly this round ("off"), and tries again every
+`probe_every` rounds (its statistics may have changed: a copy-heavy passage starts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from polylane.policy.spec_tree import CHAIN, DYNAMIC, SHAPE_KINDS, TOPK, TreeShape
+
+NGRAM = "ngram"
+TWIN_PREFIX = "twin"  # "twin" (int4) or "twin:int8": the target's quantised twin
+AUTO = "auto"
+MODES = ("auto", "chain", "tree")
+MAX_DEPTH = 12  # depths tracked by the acceptance statistics
+MAX_RANK = 4  # ranks tracked (candidates a drafter offers per node)
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """How a target model speculates.
+
+    drafters: where drafts come from, in order of preference before anything is measured:
+        a served model's name (its tokenizer must be identical to the target's and it must stream
+        fewer bytes per token), "twin" / "twin:int4" / "twin:int8" (the target's own weights
+        quantised, loaded under the residency budget), "ngram" (prompt lookup), or "auto" (every
+        resident model that qualifies, and n-gram).
+    mode: "auto" (the controller picks chain or tree), "chain" or "tree".
+    shape: a fixed shape for every round (no adaptive K or tree size); None lets the controller
+        choose. A fixed shape with adaptive=False speculates every round, even when it loses.
+    max_draft_tokens: the longest chain, and the deepest tree.
+    max_tree_nodes: the most draft nodes a tree may have.
+    adaptive: let the controller switch speculation off when it loses to plain decode.
+    min_speedup: the expected speedup below which a request decodes plainly.
+    probe_every: rounds between retries for a request that decodes plainly.
+    """
+
+    drafters: tuple[str, ...] = (AUTO,)
+    mode: str = "auto"
+    shape: TreeShape | None = None
+    max_draft_tokens: int = 8
+    max_tree_nodes: int = 24
+    adaptive: bool = True
+    min_speedup: float = 1.02
+    probe_every: int = 16
+    ngram_min: int = 1
+    ngram_max: int = 3
+
+    def __post_init__(self) -> None:
+        if isinstance(self.drafters, str):
+            object.__setattr__(self, "drafters", (self.drafters,))
+        if not self.drafters:
+            raise ValueError("speculation needs at least one drafter (or 'auto')")
+        if self.mode not in MODES:
+            raise ValueError(f"speculation mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not 1 <= self.max_draft_tokens <= MAX_DEPTH:
+            raise ValueError(f"max_draft_tokens must be in [1, {MAX_DEPTH}], got {self.max_draft_tokens}")
+        if self.max_tree_nodes < 1:
+            raise ValueError(f"max_tree_nodes must be >= 1, got {self.max_tree_nodes}")
+        if self.probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("need 1 <= ngram_min <= ngram_max")
+        for name in self.drafters:
+            if name.startswith(TWIN_PREFIX) and name not in ("twin", "twin:int4", "twin:int8"):
+                raise ValueError(f"unknown twin {name!r}: use twin, twin:int4 or twin:int8")
+
+    @staticmethod
+    def parse(value: object) -> SpeculationConfig | None:
+        """From a config file or API value: False/None → None, True → defaults, a dict → fields,
+        a string or list → drafters."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return SpeculationConfig()
+        if isinstance(value, str):
+            return SpeculationConfig(drafters=(value,))
+        if isinstance(value, list | tuple):
+            return SpeculationConfig(drafters=tuple(str(v) for v in value))
+        if isinstance(value, dict):
+            fields = dict(value)
+            unknown = set(fields) - {
+                "drafters", "mode", "shape", "max_draft_tokens", "max_tree_nodes", "adaptive",
+                "min_speedup", "probe_every", "ngram_min", "ngram_max",
+            }  # fmt: skip
+            if unknown:
+                raise ValueError(f"unknown speculation settings {sorted(unknown)}")
+            if "drafters" in fields:
+                drafters = fields["drafters"]
+                fields["drafters"] = (drafters,) if isinstance(drafters, str) else tuple(drafters)
+            if "shape" in fields:
+                fields["shape"] = parse_shape(fields["shape"])
+            return SpeculationConfig(**fields)
+        raise ValueError(f"cannot read speculation setting {value!r}")
+
+
+def parse_shape(text: object) -> TreeShape:
+    """A shape from text: chain:4, topk:3,2,1, beam:2x4 (width × depth), dynamic:6,3,16 (depth,
+    top_k, budget)."""
+    if isinstance(text, TreeShape):
+        return text
+    kind, _, args = str(text).partition(":")
+    try:
+        if kind == "chain":
+            return TreeShape.chain(int(args))
+        if kind == "topk":
+            return TreeShape.topk(*(int(a) for a in args.split(",")))
+        if kind == "beam":
+            width, depth = args.split("x")
+            return TreeShape.beam(int(width), int(depth))
+        if kind == "dynamic":
+            depth, top_k, budget = (int(a) for a in args.split(","))
+            return TreeShape.dynamic(depth, top_k, budget)
+    except ValueError as error:
+        raise ValueError(f"cannot read tree shape {text!r}: {error}") from None
+    raise ValueError(f"unknown tree shape {text!r} (kinds: {', '.join(SHAPE_KINDS)})")
+
+
+# ---------------------------------------------------------------------- statistics
+
+
+class Ema:
+    """An exponentially decayed mean: each new value weighs `1 - decay`, and early values are
+    not biased towards the start (the weights are normalised)."""
+
+    __slots__ = ("decay", "total", "weight")
+
+    def __init__(self, decay: float = 0.98) -> None:
+        self.decay, self.total, self.weight = decay, 0.0, 0.0
+
+    def add(self, value: float, count: float = 1.0) -> None:
+        keep = self.decay**count
+        self.total = self.total * keep + value * (1 - keep)
+        self.weight = self.weight * keep + (1 - keep)
+
+    @property
+    def seen(self) -> bool:
+        return self.weight > 0
+
+    def value(self, default: float = 0.0) -> float:
+        return self.total / self.weight if self.weight > 0 else default
+
+
+@dataclass
+class AcceptanceStats:
+    """Rank rates by depth: reached[d], hits[d][r] (decayed counts), d = 1 … MAX_DEPTH."""
+
+    decay: float = 0.99
+    reached: list[float] = field(default_factory=lambda: [0.0] * (MAX_DEPTH + 1))
+    hits: list[list[float]] = field(default_factory=lambda: [[0.0] * MAX_RANK for _ in range(MAX_DEPTH + 1)])
+    events: int = 0
+
+    def record(self, depth: int, rank: int | None) -> None:
+        """At a node of depth `depth - 1`, the target's token was candidate `rank` (None: a miss)."""
+        depth = min(max(depth, 1), MAX_DEPTH)
+        self.events += 1
+        for d in range(1, MAX_DEPTH + 1):  # decay every depth alike, so ratios stay comparable
+            self.reached[d] *= self.decay
+            self.hits[d] = [h * self.decay for h in self.hits[d]]
+        self.reached[depth] += 1.0
+        if rank is not None and 0 <= rank < MAX_RANK:
+            self.hits[depth][rank] += 1.0
+
+    def rates(self, depth: int, prior: Sequence[float], prior_weight: float = 2.0) -> list[float]:
+        """Rank rates at `depth`: the depth's own counts, then all depths pooled, then `prior`."""
+        depth = min(max(depth, 1), MAX_DEPTH)
+        pooled_reached = sum(self.reached[1:])
+        pooled = [
+            (sum(self.hits[d][r] for d in range(1, MAX_DEPTH + 1)) + prior_weight * prior[r])
+            / (pooled_reached + prior_weight)
+            for r in range(MAX_RANK)
+        ]
+        reached = self.reached[depth]
+        return [
+            (self.hits[depth][r] + prior_weight * pooled[r]) / (reached + prior_weight)
+            for r in range(MAX_RANK)
+        ]
+
+    def accept_rate(self, depth: int, children: int, prior: Sequence[float]) -> float:
+        """Chance to accept one of `children` top-ranked children at `depth`."""
+        return min(1.0, sum(self.rates(depth, prior)[: min(children, MAX_RANK)]))
+
+
+@dataclass
+class LinearCost:
+    """Decayed least-squares fit of seconds = a + b·tokens, with a prior slope until fitted."""
+
+    decay: float = 0.97
+    prior_slope_share: float = 0.05  # b / a before two distinct token counts are seen
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, Σx, Σy, Σxx, Σxy
+
+    def add(self, tokens: int, seconds: float) -> None:
+        s = [v * self.decay for v in self.sums]
+        x, y = float(tokens), float(seconds)
+        s[0] += 1.0
+        s[1] += x
+        s[2] += y
+        s[3] += x * x
+        s[4] += x * y
+        self.sums = s
+
+    @property
+    def seen(self) -> bool:
+        return self.sums[0] > 0
+
+    def predict(self, tokens: int) -> float:
+        w, sx, sy, sxx, sxy = self.sums
+        if w <= 0:
+            return 0.0
+        mean_x, mean_y = sx / w, sy / w
+        variance = sxx / w - mean_x**2
+        if variance > 1e-9 * max(1.0, mean_x**2):
+            slope = (sxy / w - mean_x * mean_y) / variance
+            intercept = mean_y - slope * mean_x
+            if slope >= 0 and intercept > 0:
+                return intercept + slope * tokens
+        # one token count seen so far (or a fit that makes no sense): scale by the prior slope
+        intercept = mean_y / (1 + self.prior_slope_share * mean_x)
+        return intercept * (1 + self.prior_slope_share * tokens)
+
+
+@dataclass
+class PairStats:
+    """What one (target, drafter) pair has done: the numbers behind /metrics."""
+
+    rounds: int = 0
+    draft_tokens: int = 0  # draft nodes proposed
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0  # accepted + recovered/bonus
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    chain_rounds: int = 0
+    tree_rounds: int = 0
+    decisions_on: int = 0
+    decisions_off: int = 0
+    acceptance: AcceptanceStats = field(default_factory=AcceptanceStats)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens per proposed draft token."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def tokens_per_verify(self) -> float:
+        return self.emitted_tokens / self.rounds if self.rounds else 0.0
+
+    @property
+    def draft_cost_share(self) -> float:
+        total = self.draft_seconds + self.verify_seconds
+        return self.draft_seconds / total if total else 0.0
+
+
+@dataclass(frozen=True)
+class SpecDecision:
+    """Speculate this round with `drafter` and `shape`; `expected_speedup` is the model's guess."""
+
+    drafter: str
+    shape: TreeShape
+    expected_tokens: float
+    expected_speedup: float
+
+
+@dataclass
+class _RequestState:
+    acceptance: AcceptanceStats = field(default_factory=lambda: AcceptanceStats(decay=0.9))
+    off_rounds: int = 0
+    rounds: int = 0
+
+
+@dataclass(frozen=True)
+class DrafterInfo:
+    """A drafter the runtime can use for this target: its kind and a cost prior (seconds per
+    drafter forward relative to one target decode step, e.g. its bytes over the target's)."""
+
+    name: str
+    kind: str  # "model" | "twin" | "ngram"
+    relative_cost: float
+
+
+# Rank rates assumed before anything is measured (optimistic enough that a drafter gets tried).
+_PRIORS = {"model": (0.6, 0.1, 0.05, 0.03), "twin": (0.8, 0.08, 0.03, 0.02), NGRAM: (0.35, 0.05, 0.02, 0.01)}
+
+
+class SpecController:
+    """Decisions and statistics for one target model (see the module docstring)."""
+
+    def __init__(self, target: str, config: SpeculationConfig) -> None:
+        self.target = target
+        self.config = config
+        self.drafters: dict[str, DrafterInfo] = {}
+        self.pairs: dict[str, PairStats] = {}
+        self.verify_cost = LinearCost()
+        self.draft_cost: dict[str, Ema] = {}
+        self.shape_tokens: dict[tuple[str, TreeShape], Ema] = {}
+        self._requests: dict[int, _RequestState] = {}
+        self._shape_cache: dict[str, list[TreeShape]] = {}
+
+    # ------------------------------------------------------------------ setup
+
+    def add_drafter(self, info: DrafterInfo) -> None:
+        self.drafters[info.name] = info
+        self.pairs.setdefault(info.name, PairStats())
+        self.draft_cost.setdefault(info.name, Ema(0.95))
+
+    def forget(self, request: int) -> None:
+        self._requests.pop(request, None)
+
+    # ------------------------------------------------------------------ the decision
+
+    def candidate_shapes(self, kind: str) -> list[TreeShape]:
+        """Shapes the controller weighs (a fixed configured shape is the only one)."""
+        config = self.config
+        if config.shape is not None:
+            return [config.shape]
+        k_max, n_max = config.max_draft_tokens, config.max_tree_nodes
+        shapes: list[TreeShape] = []
+        if config.mode in ("auto", "chain"):
+            shapes += [TreeShape.chain(k) for k in range(1, k_max + 1)]
+        if config.mode in ("auto", "tree"):
+            for depth in range(2, k_max + 1):
+                for head in ((2,), (3,), (2, 2), (4,), (3, 2), (4, 2)):
+                    if len(head) > depth:
+                        continue
+                    shape = TreeShape.topk(*head, *([1] * (depth - len(head))))
+                    if shape.max_nodes <= n_max:
+                        shapes.append(shape)
+            if kind == NGRAM:  # n-gram trees are tries of matches, sized by nodes
+                shapes += [TreeShape.topk(b, *([1] * (d - 1))) for b in (2, 3) for d in (4, k_max)]
+            elif kind != NGRAM:
+                for budget in (8, 16, n_max):
+                    if budget <= n_max:
+                        shapes.append(TreeShape.dynamic(min(k_max, 6), 4, budget))
+        unique = list(dict.fromkeys(s for s in shapes if s.max_nodes <= max(n_max, k_max)))
+        return unique or [TreeShape.chain(1)]
+
+    def expected_tokens(self, drafter: str, shape: TreeShape, request: int | None = None) -> float:
+        """Expected tokens per round: 1 + the expected accepted length (from the rank rates). A
+        dynamic tree, whose shape the rates cannot foresee, is judged by what it realised once it
+        has been tried a few times."""
+        return self._estimate(drafter, shape, self._accept_table(drafter, request))
+
+    def _estimate(self, drafter: str, shape: TreeShape, table: list[list[float]]) -> float:
+        if shape.kind == DYNAMIC:
+            observed = self.shape_tokens.get((drafter, shape))
+            if observed is not None and observed.weight > 0.2:
+                return observed.value()
+        return _expected_tokens(table, shape)
+
+    def decide(
+        self, request: int, available: Iterable[str], batch_size: int, max_nodes: int
+    ) -> SpecDecision | None:
+        """This round's choice for `request` (None: decode plainly). `max_nodes` caps the draft
+        (tokens left before max_tokens or the context end, minus the one the target adds)."""
+        state = self._requests.setdefault(request, _RequestState())
+        names = [n for n in available if n in self.drafters]
+        if not names or max_nodes < 1:
+            return None
+        best: SpecDecision | None = None
+        for name in names:
+            table = self._accept_table(name, request)
+            for shape in self._shapes(self.drafters[name].kind):
+                shape = shape.limited(max_nodes)
+                tokens = self._estimate(name, shape, table)
+                speedup = tokens / self._relative_cost(name, shape, batch_size)
+                if best is None or speedup > best.expected_speedup + 1e-9:
+                    best = SpecDecision(name, shape, tokens, speedup)
+        assert best is not None
+        pair = self.pairs[best.drafter]
+        config = self.config
+        if config.adaptive and best.expected_speedup < config.min_speedup:
+            state.off_rounds += 1
+            if state.off_rounds % config.probe_every != 0:
+                pair.decisions_off += 1
+                return None
+        else:
+            state.off_rounds = 0
+        pair.decisions_on += 1
+        return best
+
+    # ------------------------------------------------------------------ feedback
+
+    def record_round(
+        self,
+        request: int,
+        drafter: str,
+        shape: TreeShape,
+        draft_nodes: int,
+        accepted: int,
+        rank_events: Sequence[tuple[int, int | None]],
+        is_chain: bool,
+    ) -> None:
+        """One verified round of one request: nodes proposed, accepted, and per expanded node on
+        the walk (depth of its children, rank of the target's token among its candidates)."""
+        pair = self.pairs[drafter]
+        pair.rounds += 1
+        pair.draft_tokens += draft_nodes
+        pair.accepted_tokens += accepted
+        pair.emitted_tokens += accepted + 1
+        if is_chain:
+            pair.chain_rounds += 1
+        else:
+            pair.tree_rounds += 1
+        state = self._requests.setdefault(request, _RequestState())
+        state.rounds += 1
+        for depth, rank in rank_events:
+            pair.acceptance.record(depth, rank)
+            state.acceptance.record(depth, rank)
+        self.shape_tokens.setdefault((drafter, shape), Ema(0.95)).add(accepted + 1)
+
+    def record_draft_cost(self, drafter: str, seconds: float, forwards: int) -> None:
+        """Seconds the drafter spent in one step over `forwards` forward passes (or lookups)."""
+        pair = self.pairs[drafter]
+        pair.draft_seconds += seconds
+        if forwards > 0:
+            self.draft_cost[drafter].add(seconds / forwards)
+
+    def record_target_forward(self, tokens: int, seconds: float, drafters: Iterable[str] = ()) -> None:
+        """A target forward over `tokens` new tokens (a plain decode step, or a verify pass whose
+        time is charged to the pairs in `drafters`, shared equally)."""
+        self.verify_cost.add(tokens, seconds)
+        names = list(drafters)
+        for name in names:
+            self.pairs[name].verify_seconds += seconds / len(names)
+
+    # ------------------------------------------------------------------ internals
+
+    def _shapes(self, kind: str) -> list[TreeShape]:
+        if kind not in self._shape_cache:
+            self._shape_cache[kind] = self.candidate_shapes(kind)
+        return self._shape_cache[kind]
+
+    def _accept_table(self, drafter: str, request: int | None) -> list[list[float]]:
+        """table[d][k]: chance to accept one of k top-ranked children at depth d (k ≤ MAX_RANK)."""
+        stats = self._blended(drafter, request)
+        prior = _PRIORS[self.drafters[drafter].kind]
+        table = [[0.0] * (MAX_RANK + 1)]
+        for depth in range(1, MAX_DEPTH + 1):
+            rates = stats.rates(depth, prior)
+            row, running = [0.0], 0.0
+            for rate in rates:
+                running += rate
+                row.append(min(1.0, running))
+            table.append(row)
+        return table
+
+    def _blended(self, drafter: str, request: int | None) -> AcceptanceStats:
+        pair = self.pairs[drafter].acceptance
+        state = self._requests.get(request) if request is not None else None
+        if state is None or state.acceptance.events == 0:
+            return pair
+        return _merge(pair, state.acceptance, request_weight=3.0)
+
+    def _relative_cost(self, drafter: str, shape: TreeShape, batch_size: int) -> float:
+        """A round's seconds over a plain decode step's, for one request in a batch of B."""
+        batch = max(1, batch_size)
+        plain = self.verify_cost.predict(batch) if self.verify_cost.seen else 1.0
+        verify = (
+            self.verify_cost.predict(batch * (shape.max_nodes + 1))
+            if self.verify_cost.seen
+            else (1.0 + self.verify_cost.prior_slope_share * batch * shape.max_nodes)
+        )
+        info = self.drafters[drafter]
+        per_forward = self.draft_cost[drafter].value(default=info.relative_cost * plain)
+        forwards = shape.depth if info.kind != NGRAM else 1
+        return (forwards * per_forward + verify) / plain
+
+
+def _level_sizes(branching: Sequence[int]) -> list[int]:
+    sizes, level = [], 1
+    for k in branching:
+        level *= k
+        sizes.append(level)
+    return sizes
+
+
+def _expected(table: list[list[float]], branching: Sequence[int]) -> float:
+    """1 + Σ_d P(the accepted path reaches depth d), with top-branching[d] children per node."""
+    expected, reach = 1.0, 1.0
+    for depth, children in enumerate(branching, start=1):
+        reach *= table[min(depth, MAX_DEPTH)][min(children, MAX_RANK)]
+        expected += reach
+    return expected
+
+
+def _expected_tokens(table: list[list[float]], shape: TreeShape) -> float:
+    if shape.kind == TOPK:
+        return _expected(table, shape.branching)
+    if shape.kind == CHAIN:
+        return _expected(table, [1] * shape.depth)
+    if shape.kind == DYNAMIC:
+        # at least as good as the best top-k tree it could have grown within its budget
+        best = _expected(table, [1] * min(shape.depth, shape.budget))
+        for head in ((2,), (3,), (2, 2), (4,), (3, 2), (4, 2)):
+            for depth in range(len(head), shape.depth + 1):
+                branching = [*head, *([1] * (depth - len(head)))]
+                if sum(_level_sizes(branching)) <= shape.budget:
+                    best = max(best, _expected(table, branching))
+        return best
+    return _expected(table, [shape.width] + [1] * (shape.depth - 1))  # beam
+
+
+def _merge(pair: AcceptanceStats, request: AcceptanceStats, request_weight: float) -> AcceptanceStats:
+    """Request counts weighted up over the pair's (the pair is the prior for a new request)."""
+    merged = AcceptanceStats(decay=request.decay)
+    pair_total = max(1.0, sum(pair.reached[1:]))
+    scale = min(1.0, 8.0 / pair_total)  # the pair counts as about 8 events at most
+    for d in range(MAX_DEPTH + 1):
+        merged.reached[d] = pair.reached[d] * scale + request.reached[d] * request_weight
+        merged.hits[d] = [
+            pair.hits[d][r] * scale + request.hits[d][r] * request_weight for r in range(MAX_RANK)
+        ]
+    merged.events = pair.events + request.events
+    return merged
+
+
+__all__ = [
+    "AUTO",
+    "NGRAM",
+    "TWIN_PREFIX",
+    "AcceptanceStats",
+    "DrafterInfo",
+    "Ema",
+    "LinearCost",
+    "PairStats",
+    "SpecController",
+    "SpecDecision",
+    "SpeculationConfig",
+    "parse_shape",
+]

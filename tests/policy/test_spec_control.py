@@ -1,0 +1,186 @@
+"""The speculation controller with hand-fed measurements: K follows acceptance, trees win when
+the second-ranked candidate is often right, cheap drafters beat costly ones, speculation switches
+off when it loses (and probes again), configuration is validated."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from polylane.policy.spec_control import (
+    Ema,
+    LinearCost,
+    SpecController,
+    SpeculationConfig,
+    parse_shape,
+)
+from polylane.policy.spec_tree import CHAIN, TOPK, TreeShape
+
+
+def _controller(
+    config: SpeculationConfig | None = None, drafters=(("small", "model", 0.2),)
+) -> SpecController:
+    from polylane.policy.spec_control import DrafterInfo
+
+    controller = SpecController("target", config or SpeculationConfig())
+    for name, kind, cost in drafters:
+        controller.add_drafter(DrafterInfo(name, kind, cost))
+    return controller
+
+
+def _feed(controller, drafter, rank_by_depth, rounds=200, request=None, depth=8):
+    """Rounds in which the target's token at each depth had the given rank (None: a miss)."""
+    for i in range(rounds):
+        events = []
+        for d in range(1, depth + 1):
+            rank = rank_by_depth(d, i)
+            events.append((d, rank))
+            if rank != 0:
+                break
+        accepted = sum(1 for _, r in events if r == 0)
+        controller.record_round(
+            request if request is not None else 10_000 + i,
+            drafter,
+            TreeShape.chain(depth),
+            depth,
+            accepted,
+            events,
+            True,
+        )
+
+
+def _costs(controller, step=0.02, slope=0.001):
+    for tokens in (1, 2, 4, 8, 16):
+        for _ in range(5):
+            controller.record_target_forward(tokens, step + slope * tokens)
+
+
+def test_high_acceptance_gives_long_chains_low_gives_short():
+    controller = _controller()
+    _costs(controller)
+    controller.record_draft_cost("small", 0.002 * 4, 4)  # 2 ms per drafter forward
+    _feed(controller, "small", lambda d, i: 0)  # always right
+    high = controller.decide(1, ["small"], batch_size=1, max_nodes=64)
+    assert high is not None and high.shape.kind == CHAIN and high.shape.depth >= 6, high
+
+    low = _controller()
+    _costs(low)
+    low.record_draft_cost("small", 0.002, 1)
+    _feed(low, "small", lambda d, i: 0 if random.Random(i * 31 + d).random() < 0.5 else None)  # half
+    decision = low.decide(1, ["small"], batch_size=1, max_nodes=64)
+    assert decision is not None and decision.shape.max_nodes <= 4, decision
+    assert decision.expected_speedup > 1.0
+
+
+def test_tree_wins_when_the_runner_up_is_often_right():
+    controller = _controller()
+    _costs(controller, slope=0.0002)  # verify width nearly free (bf16 on AMX, PERF.md)
+    controller.record_draft_cost("small", 0.001, 1)
+    _feed(controller, "small", lambda d, i: 0 if i % 2 else 1)  # top-1 or top-2, never a miss
+    decision = controller.decide(1, ["small"], batch_size=1, max_nodes=64)
+    assert decision is not None and decision.shape.kind == TOPK, decision
+    chain_only = _controller(SpeculationConfig(mode="chain"))
+    assert all(s.kind == CHAIN for s in chain_only.candidate_shapes("model"))
+
+
+def test_speculation_switches_off_when_it_loses_and_probes_again():
+    config = SpeculationConfig(probe_every=4)
+    controller = _controller(config)
+    _costs(controller)
+    controller.record_draft_cost("small", 0.02, 1)  # as costly as the target: cannot pay
+    _feed(controller, "small", lambda d, i: None, request=7)  # never right
+    decisions = [controller.decide(7, ["small"], batch_size=1, max_nodes=16) for _ in range(8)]
+    assert decisions.count(None) == 6, decisions  # on only at every 4th round (a probe)
+    assert decisions[3] is not None and decisions[7] is not None
+    pair = controller.pairs["small"]
+    assert pair.decisions_off == 6 and pair.decisions_on == 2
+    # a non-adaptive config speculates anyway
+    forced = _controller(SpeculationConfig(adaptive=False, shape=TreeShape.chain(3)))
+    _costs(forced)
+    forced.record_draft_cost("small", 0.02, 1)
+    _feed(forced, "small", lambda d, i: None, request=7)
+    assert forced.decide(7, ["small"], batch_size=1, max_nodes=16).shape == TreeShape.chain(3)
+
+
+def test_acceptance_is_per_request_as_well_as_per_pair():
+    controller = _controller(drafters=(("ngram", "ngram", 0.0),))
+    _costs(controller)
+    controller.record_draft_cost("ngram", 0.0001, 1)
+    _feed(controller, "ngram", lambda d, i: 0, rounds=50, request=1)  # a copy-heavy request
+    _feed(controller, "ngram", lambda d, i: None, rounds=50, request=2)  # free-form text
+    copying = controller.decide(1, ["ngram"], batch_size=2, max_nodes=16)
+    free_form = [controller.decide(2, ["ngram"], batch_size=2, max_nodes=16) for _ in range(3)]
+    assert copying is not None and copying.shape.max_nodes >= 4
+    assert free_form == [None, None, None]
+
+
+def test_the_cheaper_drafter_wins_at_equal_acceptance():
+    controller = _controller(drafters=(("big", "model", 0.4), ("twin", "twin", 0.15)))
+    _costs(controller)
+    controller.record_draft_cost("big", 0.008, 1)
+    controller.record_draft_cost("twin", 0.003, 1)
+    for name in ("big", "twin"):
+        _feed(controller, name, lambda d, i: 0 if i % 5 else None)
+    decision = controller.decide(1, ["big", "twin"], batch_size=1, max_nodes=16)
+    assert decision is not None and decision.drafter == "twin"
+    assert controller.decide(1, ["big"], batch_size=1, max_nodes=16).drafter == "big"
+    assert controller.decide(1, [], batch_size=1, max_nodes=16) is None
+    assert controller.decide(1, ["twin"], batch_size=1, max_nodes=0) is None
+
+
+def test_max_nodes_limits_the_shape():
+    controller = _controller()
+    _costs(controller)
+    _feed(controller, "small", lambda d, i: 0)
+    decision = controller.decide(1, ["small"], batch_size=1, max_nodes=2)
+    assert decision is not None and decision.shape.max_nodes <= 2
+
+
+def test_pair_statistics():
+    controller = _controller()
+    controller.record_round(1, "small", TreeShape.chain(4), 4, 3, [(1, 0), (2, 0), (3, 0), (4, 1)], True)
+    controller.record_round(1, "small", TreeShape.topk(2, 1), 4, 0, [(1, None)], False)
+    controller.record_draft_cost("small", 0.01, 4)
+    controller.record_target_forward(6, 0.03, ["small"])
+    pair = controller.pairs["small"]
+    assert pair.acceptance_rate == 3 / 8
+    assert pair.tokens_per_verify == (4 + 1) / 2
+    assert pair.chain_rounds == 1 and pair.tree_rounds == 1
+    assert pair.draft_cost_share == pytest.approx(0.01 / 0.04)
+
+
+def test_linear_cost_fit_and_ema():
+    cost = LinearCost()
+    assert cost.predict(3) == 0.0 and not cost.seen
+    cost.add(1, 0.020)
+    assert cost.predict(1) == pytest.approx(0.020)
+    assert cost.predict(11) > 0.020  # the prior slope, before a second token count is seen
+    for tokens in (1, 5, 9, 13):
+        cost.add(tokens, 0.020 + 0.001 * tokens)
+    assert cost.predict(21) == pytest.approx(0.041, rel=0.05)
+    ema = Ema(0.5)
+    assert ema.value(7.0) == 7.0
+    ema.add(2.0)
+    assert ema.value() == pytest.approx(2.0)
+    ema.add(4.0)
+    assert 2.0 < ema.value() < 4.0
+
+
+def test_config_parsing_and_validation():
+    assert SpeculationConfig.parse(None) is None and SpeculationConfig.parse(False) is None
+    assert SpeculationConfig.parse(True) == SpeculationConfig()
+    assert SpeculationConfig.parse("ngram").drafters == ("ngram",)
+    assert SpeculationConfig.parse(["twin", "ngram"]).drafters == ("twin", "ngram")
+    parsed = SpeculationConfig.parse({"drafters": "twin:int8", "shape": "topk:3,2,1", "mode": "tree"})
+    assert parsed.shape == TreeShape.topk(3, 2, 1) and parsed.drafters == ("twin:int8",)
+    assert parse_shape("chain:5") == TreeShape.chain(5)
+    assert parse_shape("beam:2x4") == TreeShape.beam(2, 4)
+    assert parse_shape("dynamic:6,3,16") == TreeShape.dynamic(6, 3, 16)
+    for bad in ({"colour": "red"}, {"mode": "zigzag"}, {"drafters": "twin:int3"}, 3.5):
+        with pytest.raises(ValueError):
+            SpeculationConfig.parse(bad)
+    with pytest.raises(ValueError):
+        parse_shape("spiral:3")
+    with pytest.raises(ValueError):
+        SpeculationConfig(max_draft_tokens=0)
