@@ -41,6 +41,7 @@ from tests.server.conftest import (
     BUDGET,
     GEMMA,
     KV_TOKENS,
+    QWEN,
     SMOL,
     LiveServer,
     _free_port,
@@ -111,7 +112,11 @@ def ray_cluster() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def ray_server(ray_cluster: None) -> Iterator[RayServer]:
     config = ServerConfig(
-        models=tuple(ModelDecl(name, name, dtype="fp32", kv_tokens=KV_TOKENS) for name in ALL_MODELS),
+        # fp32 where outputs are compared with the single-process server; Qwen only needs a home
+        models=tuple(
+            ModelDecl(name, name, dtype="bf16" if name == QWEN else "fp32", kv_tokens=KV_TOKENS)
+            for name in ALL_MODELS
+        ),
         budget_bytes=BUDGET,
         api_key=API_KEY,
     )
@@ -126,7 +131,8 @@ def ray_server(ray_cluster: None) -> Iterator[RayServer]:
 
 @pytest.fixture(scope="module")
 def single(ray_server: RayServer) -> Iterator[LiveServer]:
-    """The single-process server on the same models, for the reference outputs."""
+    """The single-process server, for the reference outputs and errors (Gemma is registered for
+    its errors, never loaded: the outputs compared are SmolLM2's, fp32)."""
     live = start_server((SMOL, GEMMA))
     try:
         yield live
@@ -195,19 +201,15 @@ def test_requests_stick_to_the_replica_that_holds_their_model(ray_server: RaySer
     assert all(listed[model]["state"] == "resident" for model in ALL_MODELS), listed
 
 
-@pytest.mark.parametrize("model", [SMOL, GEMMA])
-def test_greedy_output_equals_the_single_process_server(
-    ray_server: RayServer, single: LiveServer, model: str
-) -> None:
-    routes = [_complete] if model == GEMMA else [_complete, _chat]  # gemma3-270m is completion-only
-    for route in routes:
-        expected, got = route(single, model), route(ray_server, model)
+def test_greedy_output_equals_the_single_process_server(ray_server: RayServer, single: LiveServer) -> None:
+    for route in (_complete, _chat):
+        expected, got = route(single, SMOL), route(ray_server, SMOL)
         assert got.status_code == expected.status_code == 200, got.text
         assert got.headers["content-type"] == expected.headers["content-type"]
         want, have = expected.json(), got.json()
         assert have["choices"] == want["choices"], (route.__name__, have, want)
         assert have["usage"] == want["usage"]
-        assert have["model"] == model
+        assert have["model"] == SMOL
 
 
 def test_streaming_through_the_ingress(ray_server: RayServer, single: LiveServer) -> None:

@@ -281,12 +281,14 @@ def build_application(config: ServerConfig, options: RayOptions) -> Any:
         health_check_period_s=options.health_check_period_s,
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=10,
+        graceful_shutdown_wait_loop_s=0.5,
     )
     ingress = serve.deployment(serve.ingress()(PolylaneIngress)).options(
         name="PolylaneIngress",
         num_replicas=1,
         max_ongoing_requests=per_replica * options.replicas,
         ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_wait_loop_s=0.5,
     )
     return ingress.bind(replica.bind(config, options.threads_per_replica), config, options.app_name)
 
