@@ -337,6 +337,8 @@ def serve_ray(config: ServerConfig, options: RayOptions) -> None:
     except KeyboardInterrupt:
         pass
     finally:
-        serve.shutdown()
-        if not os.environ.get("RAY_ADDRESS"):
-            ray.shutdown()
+        if os.environ.get("RAY_ADDRESS"):  # a shared cluster: remove our app only, then disconnect
+            serve.delete(options.app_name)
+        else:
+            serve.shutdown()
+        ray.shutdown()
