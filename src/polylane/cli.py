@@ -3,6 +3,8 @@
 polylane serve [MODEL ...]           the OpenAI-compatible server (default model when none given)
 polylane serve --ray --replicas N    the same routes over N engines under Ray Serve (model affinity)
 polylane models                      the catalogue, with size and whether each is cached
+polylane models inspect A B          the layer band two models share (cross-model prefill share)
+polylane models sibling SRC OUT      write a sibling of SRC with its top layers changed
 polylane generate MODEL PROMPT       stream a completion to the terminal
 polylane bench WORKLOAD              measure polylane against its baselines (polylane/bench/)
 """
@@ -17,6 +19,10 @@ from polylane import catalog
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
+    if args.models_command == "inspect":
+        return _cmd_models_inspect(args)
+    if args.models_command == "sibling":
+        return _cmd_models_sibling(args)
     print(f"{'name':32} {'arch':8} {'params':>7} {'quant':8} {'size':>9}  cached  chat")
     for entry in catalog.CATALOG.values():
         cached = "yes" if catalog.is_cached(entry) else "no"
@@ -27,6 +33,61 @@ def _cmd_models(args: argparse.Namespace) -> int:
             f"{entry.size_bytes / 1e6:7,.0f} MB  {cached:6}  {chat}{default}"
         )
     print(f"\ncache: {catalog.cache_dir()}  (set ${catalog.CACHE_ENV} to move it)")
+    return 0
+
+
+def _cmd_models_inspect(args: argparse.Namespace) -> int:
+    from polylane.policy.layer_share import shared_band
+    from polylane.runtime.digests import digest_of
+
+    first, second = (digest_of(name, args.dtype, quiet=False) for name in (args.a, args.b))
+    band = shared_band(first, second)
+    print(f"A: {args.a} ({args.dtype}): {first.num_layers} layers")
+    print(f"B: {args.b} ({args.dtype}): {second.num_layers} layers")
+    parts = [
+        ("tokenizer", "tokenizer"),
+        ("RoPE configuration", "rope"),
+        ("KV layout", "kv_layout"),
+        ("layer hyper-parameters", "compute"),
+        ("embedding", "embedding"),
+        ("final norm + head", "head"),
+    ]
+    for label, field in parts:
+        print(f"  {label:24} {'same' if getattr(first, field) == getattr(second, field) else 'differs'}")
+    same = [a == b for a, b in zip(first.layers, second.layers, strict=False)]
+    differing = [i for i, equal in enumerate(same) if not equal]
+    print(f"  {'layers with equal bytes':24} {len(same) - len(differing)} of {len(same)}", end="")
+    print(f" (first differing: {differing[0]})" if differing else "")
+    deepest = max(first.num_layers, second.num_layers)
+    print(
+        f"shared band: [0, {band.layers}) — {band.layers} of {deepest} layers "
+        f"({band.layers / deepest:.0%}){'; identical models' if band.identical else ''}: {band.reason}"
+    )
+    return 0
+
+
+def _cmd_models_sibling(args: argparse.Namespace) -> int:
+    from polylane.runtime.siblings import SiblingSpec, write_sibling
+
+    spec = SiblingSpec(
+        top_layers=args.top_layers,
+        seed=None if args.finetune else args.seed,
+        scale=args.scale,
+        finetune_text=args.finetune,
+        steps=args.steps,
+        learning_rate=args.learning_rate,
+        sequence_length=args.sequence_length,
+    )
+    report = write_sibling(args.source, args.out, spec, quiet=False)
+    how = f"fine-tuned {spec.steps} steps on {spec.finetune_text}" if spec.finetune_text else "perturbed"
+    print(
+        f"wrote {report.path}: {args.source} with layers {report.changed_layers[0]}-"
+        f"{report.changed_layers[-1]} {how}"
+    )
+    if report.losses:
+        print(f"fine-tune loss: {report.losses[0]:.4f} → {report.losses[-1]:.4f}")
+    if report.band is not None:
+        print(f"shares layers [0, {report.band.layers}) of {report.num_layers} with {args.source} (checked)")
     return 0
 
 
@@ -110,6 +171,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             for m in models
         ]
     server_config.check_names(models)
+    server_config.ensure_siblings(models)
     budget = args.budget or str(file_data.get("budget", "auto"))
     shares = args.replicas if args.ray and budget == "auto" else 1  # under --ray the budget is per replica
     config = server_config.ServerConfig(
@@ -164,8 +226,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(run=_cmd_serve)
 
-    models = commands.add_parser("models", help="list the model catalogue")
-    models.set_defaults(run=_cmd_models)
+    models = commands.add_parser("models", help="list the model catalogue; inspect or derive models")
+    models.set_defaults(run=_cmd_models, models_command=None)
+    models_commands = models.add_subparsers(dest="models_command")
+    inspect = models_commands.add_parser("inspect", help="the layer band two models share")
+    inspect.add_argument("a", help="catalogue name, .gguf file or HF folder")
+    inspect.add_argument("b", help="catalogue name, .gguf file or HF folder")
+    inspect.add_argument(
+        "--dtype", default="fp32", choices=["fp32", "bf16"], help="weight dtype to compare at"
+    )
+    sibling = models_commands.add_parser(
+        "sibling", help="write a HF folder: SOURCE with its top layers changed, lower layers byte-identical"
+    )
+    sibling.add_argument("source", help="catalogue name, .gguf file or HF folder")
+    sibling.add_argument("out", help="the new folder to write (must not exist)")
+    sibling.add_argument("--top-layers", type=int, required=True, help="how many top layers change")
+    sibling.add_argument("--seed", type=int, default=0, help="seeded perturbation (default, for tests)")
+    sibling.add_argument(
+        "--scale", type=float, default=0.05, help="perturbation std, relative to each tensor's"
+    )
+    sibling.add_argument(
+        "--finetune", metavar="TEXT_FILE", help="fine-tune the top layers on this text instead"
+    )
+    sibling.add_argument("--steps", type=int, default=20, help="fine-tune steps")
+    sibling.add_argument("--learning-rate", type=float, default=1e-4, help="fine-tune AdamW learning rate")
+    sibling.add_argument("--sequence-length", type=int, default=128, help="fine-tune window, in tokens")
 
     generate = commands.add_parser("generate", help="generate text from a prompt")
     generate.add_argument("model", help="catalogue name (see `polylane models`), a .gguf file or a HF folder")

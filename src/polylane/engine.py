@@ -32,6 +32,7 @@ from polylane.policy.residency import NoRoomError, ResidencyError
 from polylane.policy.scheduler import Scheduler, SchedulerConfig
 from polylane.policy.stop_strings import StopStringMatcher
 from polylane.runtime.detokenizer import IncrementalDetokenizer
+from polylane.runtime.digests import cached_digest
 from polylane.runtime.loader import read_config
 from polylane.runtime.residency import DEFAULT_KV_TOKENS, ModelLease, ResidencyManager
 from polylane.runtime.runner import Runner
@@ -252,6 +253,7 @@ class Engine:
         tokenizer = load_tokenizer(resolved)
         kv_tokens = min(kv_tokens, model_config.max_context)
         self.manager.register(name, source or name, dtype, pinned, kv_tokens)
+        self.runner.sharing.declare(name, cached_digest(resolved, dtype))  # peers may share its layers
         served = ServedModel(
             name, source or name, dtype, pinned, model_config.max_context, kv_tokens, tokenizer
         )
@@ -316,7 +318,11 @@ class Engine:
 
     def stats(self) -> EngineStats:
         return self.stats_recorder.snapshot(
-            self.scheduler.counters, self.runner.monitor, self.manager.counters(), self._prefix_stats()
+            self.scheduler.counters,
+            self.runner.monitor,
+            self.manager.counters(),
+            self._prefix_stats(),
+            self.runner.sharing.stats(),
         )
 
     @property

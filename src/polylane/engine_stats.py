@@ -32,6 +32,8 @@ class ModelStats:
     lane_share: float = 0.0  # of all decode steps
     prefix_hit_rate: float = 0.0  # matched / looked-up prompt tokens (while resident)
     prefix_matched_tokens: int = 0
+    cross_model_hits: int = 0  # sequences that reused another model's prefix (shared layer band)
+    cross_model_tokens: int = 0  # prompt tokens whose lower-band KV came from another model
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,7 @@ class StatsRecorder:
         monitor: LaneMonitor,
         residency: Any,
         prefix: dict[str, Any],
+        cross_model: dict[str, Any] | None = None,
     ) -> EngineStats:
         with self._lock:
             models = {
@@ -125,6 +128,10 @@ class StatsRecorder:
             stats = models.setdefault(name, ModelStats())
             stats.prefix_hit_rate = tree.hit_rate
             stats.prefix_matched_tokens = tree.matched_tokens
+        for name, cross in (cross_model or {}).items():
+            stats = models.setdefault(name, ModelStats())
+            stats.cross_model_hits = cross.hits
+            stats.cross_model_tokens = cross.imported_tokens
         return EngineStats(
             steps=counters.steps,
             decode_steps=counters.decode_steps,

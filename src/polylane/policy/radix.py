@@ -169,6 +169,26 @@ class PrefixTree:
         _, num_tokens, child, common_blocks, _ = self._descend(tokens)
         return num_tokens + common_blocks * self.block_size if child is not None else num_tokens
 
+    def peek_blocks(self, token_ids: Sequence[int]) -> tuple[int, ...]:
+        """The blocks of the cached whole-block prefix of `token_ids`, for another model to read.
+
+        No lease and no pool reference: the blocks are only valid until the tree changes, so the
+        caller (the owner thread, e.g. a model reading a peer's KV through a shared layer band,
+        `runtime.layer_share`) copies what it needs at once. No split and no statistics (the
+        peer's hit rate stays its own); the nodes read are touched for LRU, as a reuse.
+        """
+        tokens = self._full_block_tokens(token_ids)
+        _, _, child, common_blocks, path = self._descend(tokens)
+        if path or child is not None:
+            self._clock += 1
+        for node in path:
+            node.last_access = self._clock
+        blocks = [block for node in path for block in node.blocks]
+        if child is not None:
+            child.last_access = self._clock
+            blocks.extend(child.blocks[:common_blocks])
+        return tuple(blocks)
+
     # ------------------------------------------------------------------ match / release
 
     def match(self, token_ids: Sequence[int], partial: bool = False) -> PrefixMatch:

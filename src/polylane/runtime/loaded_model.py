@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from polylane import catalog
+from polylane.policy.layer_share import ModelDigest
 from polylane.runtime.converted import converted_path, load_converted, save_converted
+from polylane.runtime.digests import model_digest
 from polylane.runtime.loader import LoadedWeights, load_weights, parse_dtype
 from polylane.runtime.model_config import ModelConfig
 from polylane.runtime.models.base import DecoderModel
@@ -25,6 +27,7 @@ class LoadedModel:
     dtype: torch.dtype
     weight_bytes: int
     load_seconds: float
+    digest: ModelDigest | None = None  # per-layer digests (`runtime.digests`); None: not computed
 
 
 def load_model(
@@ -39,7 +42,7 @@ def load_model(
     started = time.perf_counter()
     weights = _load_weights(source, parse_dtype(dtype), quiet, convert_cache)
     tokenizer = load_tokenizer(source)
-    return LoadedModel(
+    loaded = LoadedModel(
         name=source.name,
         source=source,
         config=weights.config,
@@ -47,8 +50,12 @@ def load_model(
         tokenizer=tokenizer,
         dtype=parse_dtype(dtype),
         weight_bytes=weights.weight_bytes,
-        load_seconds=time.perf_counter() - started,
+        load_seconds=0.0,
     )
+    # Per-layer digests for the cross-model prefill share: hashed once per file, then cached.
+    loaded.digest = model_digest(source, dtype, loaded.module, loaded.config, tokenizer, loaded.dtype)
+    loaded.load_seconds = time.perf_counter() - started
+    return loaded
 
 
 def _load_weights(

@@ -159,6 +159,46 @@ class ModelKV:
                 )
         return logits
 
+    def extend_from_band(
+        self,
+        sequence: KVSequence,
+        token_ids: Sequence[int],
+        source: PagedKVCache,
+        source_slots: Sequence[int],
+        band: int,
+    ) -> None:
+        """Append `token_ids` to `sequence` from another model's KV, through a shared layer band.
+
+        The caller (`runtime.layer_share`) has checked that the other model shares layers
+        `[0, band)` with this one and that `source_slots` hold those tokens' K/V, at the same
+        positions, with a valid boundary state at `band` (when `band` is below this model's
+        depth). Their K/V of layers `< band` is copied, and only layers `>= band` run, from that
+        boundary state. No logits: the caller prefills the rest (the prompt's last token at least).
+        """
+        self._check_usable(sequence)
+        token_ids = tuple(token_ids)
+        if not token_ids or len(source_slots) != len(token_ids):
+            raise ValueError(f"{len(token_ids)} tokens need as many source slots, got {len(source_slots)}")
+        config = self.model.config
+        if not 0 < band <= config.num_layers:
+            raise ValueError(f"band of {band} layers for a {config.num_layers}-layer model")
+        if sequence.num_tokens + len(token_ids) > config.max_context:
+            raise ValueError(
+                f"{sequence.num_tokens + len(token_ids)} tokens exceed the model's context of "
+                f"{config.max_context}"
+            )
+        self._reserve([Extend(sequence, token_ids, logits="none")])
+        chunk = SequenceChunk(token_ids, sequence.num_tokens, tuple(sequence.blocks.table), None, "none")
+        device = self.cache.keys[0].device
+        batch = build_forward_batch([chunk], self.block_size, config, device)
+        sources = torch.tensor(list(source_slots), dtype=torch.long, device=device)
+        self.cache.import_band(source, sources, batch.slot_mapping, band)
+        if band < config.num_layers:
+            hidden = source.boundary_states[band].index_select(0, sources)  # (T, E)
+            self.model.module(batch, self.cache, start_layer=band, hidden=hidden)
+        sequence.blocks.advance(len(token_ids))
+        sequence.token_ids.extend(token_ids)
+
     def accept(self, sequence: KVSequence, path: Sequence[int]) -> None:
         """Keep the pending tree's root-to-node `path` (node indexes), KV compacted, drop the rest."""
         pending = sequence.pending

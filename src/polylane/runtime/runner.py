@@ -23,6 +23,7 @@ import torch
 
 from polylane.policy.blocks import OutOfBlocksError
 from polylane.policy.lane import LaneMonitor
+from polylane.runtime.layer_share import LayerShare
 from polylane.runtime.model_kv import Extend, KVSequence, ModelKV
 from polylane.runtime.residency import ModelLease
 from polylane.runtime.sampler import RequestSampler, sample_rows
@@ -53,8 +54,9 @@ class _Work:
 
 
 class Runner:
-    def __init__(self, monitor: LaneMonitor | None = None) -> None:
+    def __init__(self, monitor: LaneMonitor | None = None, sharing: LayerShare | None = None) -> None:
         self.monitor = monitor or LaneMonitor()
+        self.sharing = sharing or LayerShare()  # cross-model prefill share (`runtime.layer_share`)
         self.leases: dict[str, ModelLease] = {}
         self.requests: dict[int, RunningRequest] = {}
 
@@ -65,6 +67,7 @@ class Runner:
             lease.release()  # already held: keep one lease per model
             return
         self.leases[lease.name] = lease
+        self.sharing.attach(lease.name, lease.kv)
 
     def detach(self, name: str) -> None:
         if any(r.model == name and r.kv is not None for r in self.requests.values()):
@@ -183,7 +186,7 @@ class Runner:
             return _Work(request, Extend(request.kv, (request.generated[-1],)))
         target = request.prefill_tokens()
         if request.kv is None:
-            request.kv = kv.open(target)
+            request.kv = self.sharing.open(request.model, kv, target)
             result.cached[request.id] = request.kv.cached_tokens
             if not request.generated:
                 request.cached_tokens = request.kv.cached_tokens

@@ -13,6 +13,14 @@ A config file declares models and limits:
     aliases = ["default"]
     kv_tokens = 4096
 
+    [[models]]
+    name = "smollm2-top"               # a sibling: smollm2 with its top 15 layers changed,
+    sibling_of = "smollm2-135m-instruct"   # written once under the cache (or at `source`)
+    top_layers = 15                    # it shares layers [0, 15) with smollm2: a prompt one of
+    seed = 1                           # them prefilled is reused by the other (layer share)
+    # finetune = "notes.txt"           # instead of seed: fine-tune the top layers on this text
+    # steps = 20                       # fine-tune steps (learning_rate = 1e-4, scale = 0.05)
+
 Model names (and aliases) are looked up in this registry; a name a client sends is never used as
 a path. "auto" budgets half of the memory available at start.
 """
@@ -20,6 +28,7 @@ a path. "auto" budgets half of the memory available at start.
 from __future__ import annotations
 
 import re
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +38,7 @@ import psutil
 
 from polylane import catalog
 from polylane.runtime.residency import DEFAULT_KV_TOKENS
+from polylane.runtime.siblings import SiblingError, SiblingSpec, ensure_sibling, sibling_path
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -45,6 +55,8 @@ class ModelDecl:
     pinned: bool = False
     aliases: tuple[str, ...] = ()
     kv_tokens: int = DEFAULT_KV_TOKENS
+    sibling_of: str | None = None  # `source` is then a sibling of this model, written if missing
+    sibling: SiblingSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -109,7 +121,7 @@ def models_from_file(data: dict[str, Any], path: str | Path) -> list[ModelDecl]:
         where = f"{path}: models[{index}]"
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
             raise ConfigError(f"{where}: needs a name")
-        unknown = set(entry) - {"name", "source", "dtype", "pinned", "aliases", "kv_tokens"}
+        unknown = set(entry) - {"name", "source", "dtype", "pinned", "aliases", "kv_tokens", *_SIBLING_KEYS}
         if unknown:
             raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
         aliases = entry.get("aliases", [])
@@ -117,17 +129,65 @@ def models_from_file(data: dict[str, Any], path: str | Path) -> list[ModelDecl]:
             raise ConfigError(f"{where}: aliases must be a list of strings")
         if entry.get("dtype", "fp32") not in ("fp32", "bf16"):
             raise ConfigError(f"{where}: dtype must be fp32 or bf16")
+        sibling_of, sibling = _sibling(entry, where)
+        source = entry.get("source", entry["name"])
+        if sibling_of is not None and sibling is not None and "source" not in entry:
+            try:
+                source = sibling_path(sibling_of, sibling)
+            except OSError as error:
+                raise ConfigError(f"{where}: cannot read the fine-tuning text ({error})") from None
         models.append(
             ModelDecl(
                 name=entry["name"],
-                source=str(entry.get("source", entry["name"])),
+                source=str(source),
                 dtype=entry.get("dtype", "fp32"),
                 pinned=bool(entry.get("pinned", False)),
                 aliases=tuple(aliases),
                 kv_tokens=int(entry.get("kv_tokens", DEFAULT_KV_TOKENS)),
+                sibling_of=sibling_of,
+                sibling=sibling,
             )
         )
     return models
+
+
+_SIBLING_KEYS = ("sibling_of", "top_layers", "seed", "scale", "finetune", "steps", "learning_rate")
+
+
+def _sibling(entry: dict[str, Any], where: str) -> tuple[str | None, SiblingSpec | None]:
+    """A sibling declaration (`sibling_of`, `top_layers`, and `seed` or `finetune`), if any."""
+    if "sibling_of" not in entry:
+        given = sorted(set(entry) & set(_SIBLING_KEYS))
+        if given:
+            raise ConfigError(f"{where}: {', '.join(given)} only apply with sibling_of")
+        return None, None
+    if not isinstance(entry["sibling_of"], str) or not isinstance(entry.get("top_layers"), int):
+        raise ConfigError(f"{where}: sibling_of needs a model name and top_layers an integer")
+    finetune = entry.get("finetune")
+    try:
+        spec = SiblingSpec(
+            top_layers=entry["top_layers"],
+            seed=None if finetune is not None else int(entry.get("seed", 0)),
+            scale=float(entry.get("scale", 0.05)),
+            finetune_text=None if finetune is None else str(finetune),
+            steps=int(entry.get("steps", 20)),
+            learning_rate=float(entry.get("learning_rate", 1e-4)),
+        )
+    except (SiblingError, TypeError, ValueError) as error:
+        raise ConfigError(f"{where}: {error}") from None
+    return entry["sibling_of"], spec
+
+
+def ensure_siblings(models: list[ModelDecl], *, quiet: bool = False) -> None:
+    """Write every declared sibling that is not on disk yet (once; later starts reuse it)."""
+    for model in models:
+        if model.sibling_of is not None and model.sibling is not None:
+            if not quiet:
+                print(f"polylane: preparing sibling {model.name} of {model.sibling_of} …", file=sys.stderr)
+            try:
+                ensure_sibling(model.sibling_of, model.sibling, model.source, quiet=quiet)
+            except (SiblingError, OSError) as error:
+                raise ConfigError(f"model {model.name!r}: cannot write its sibling: {error}") from None
 
 
 def check_names(models: list[ModelDecl]) -> None:

@@ -78,15 +78,35 @@ class DecoderModel(nn.Module):
         return linear(hidden, self.embed_tokens.weight, None, input_major=False)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
-        """Run the batch's new tokens, write their K/V, return float32 logits (R, vocab)."""
-        hidden = self.embed(batch.token_ids)  # (T, E)
-        if self.config.embedding_scale != 1.0:
-            hidden = hidden * torch.tensor(self.config.embedding_scale, dtype=hidden.dtype)
+    def forward(
+        self,
+        batch: ForwardBatch,
+        kv_cache: PagedKVCache,
+        *,
+        start_layer: int = 0,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run the batch's new tokens, write their K/V, return float32 logits (R, vocab).
+
+        With `start_layer` > 0, `hidden` (T, E) is that layer's input and only the layers from it
+        run: a shared band's boundary state, the K/V below written by the caller (see
+        `ModelKV.extend_from_band`). The input of every layer the cache records boundary states
+        for (`PagedKVCache.add_boundary`) is stored on the way, the final one included.
+        """
+        if hidden is None:
+            if start_layer:
+                raise ValueError("starting above layer 0 needs that layer's input hidden state")
+            hidden = self.embed(batch.token_ids)  # (T, E)
+            if self.config.embedding_scale != 1.0:
+                hidden = hidden * torch.tensor(self.config.embedding_scale, dtype=hidden.dtype)
         rotary = {kind: table.lookup(batch.positions) for kind, table in self._rotary.items()}
         context = ForwardContext(batch, kv_cache, rotary)
-        for layer in self.layers:
-            hidden = layer(hidden, context)
+        for index in range(start_layer, len(self.layers)):
+            if index in kv_cache.boundary_states:
+                kv_cache.write_boundary(index, batch.slot_mapping, hidden)
+            hidden = self.layers[index](hidden, context)
+        if len(self.layers) in kv_cache.boundary_states:
+            kv_cache.write_boundary(len(self.layers), batch.slot_mapping, hidden)
         hidden = self.norm(hidden[batch.logit_rows])  # (R, E)
         logits = self.output_logits(hidden).float()  # (R, V)
         if self.config.final_logit_softcap:
