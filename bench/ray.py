@@ -15,8 +15,12 @@ Metrics (per system, median over repeats):
 - latency_ms p50 / mean: one client, `--latency-requests` sequential non-streaming completions
   of SmolLM2 with max_tokens=1 (a short prefill and one token: the request's fixed cost).
 - routing_overhead = Ray latency p50 / single-process latency p50 (1.0: routing is free), and
-  routing_overhead_ms = their difference (what the ingress hop, the Ray handle call and the
-  in-process ASGI call add per request).
+  routing_overhead_ms = their difference. It includes the replica computing on cores / replicas
+  torch threads where the single process uses all cores.
+- no_model_p50_ms: the same client's GET of a route that does not exist, which both systems
+  answer with the app's own 404 (under Ray: Ray's proxy, the ingress, a handle call to a replica,
+  the app run in-process there): no model work, so hop_overhead_ms = Ray's minus the single
+  process's is the transport cost alone.
 - tokens_per_s: `--clients` threads sending `--requests` non-streaming completions in all,
   alternating SmolLM2 / Gemma 3, `--max-tokens` each with EOS ignored; generated tokens / wall
   seconds from the first send to the last answer. requests_per_s likewise.
@@ -41,6 +45,7 @@ import httpx
 SMOL, GEMMA = "smollm2-135m-instruct", "gemma3-270m"
 MODELS = (SMOL, GEMMA)
 PROMPT = "The three laws of motion are"
+SUMMARY_KEYS = ("latency_p50_ms", "latency_mean_ms", "no_model_p50_ms", "tokens_per_s", "requests_per_s")
 
 
 def progress(message: str) -> None:
@@ -77,14 +82,18 @@ def complete(client: httpx.Client, model: str, max_tokens: int) -> int:
 def measure_latency(url: str, requests: int) -> dict[str, float]:
     with httpx.Client(base_url=url, timeout=600) as client:
         complete(client, SMOL, 1)  # a connection and a hot path before the clock
-        seconds = []
+        seconds, hops = [], []
         for _ in range(requests):
             started = time.perf_counter()
             complete(client, SMOL, 1)
             seconds.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            assert client.get("/v1/no-such-route").status_code == 404  # the app's own 404
+            hops.append(time.perf_counter() - started)
     return {
         "latency_p50_ms": 1000 * statistics.median(seconds),
         "latency_mean_ms": 1000 * statistics.mean(seconds),
+        "no_model_p50_ms": 1000 * statistics.median(hops),
     }
 
 
@@ -219,22 +228,25 @@ def main() -> None:
 
     overhead = median("ray", "latency_p50_ms") / median("single", "latency_p50_ms")
     overhead_ms = median("ray", "latency_p50_ms") - median("single", "latency_p50_ms")
+    hop_ms = median("ray", "no_model_p50_ms") - median("single", "no_model_p50_ms")
     throughput = median("ray", "tokens_per_s") / median("single", "tokens_per_s")
     cores = os.cpu_count()
     print(
         f"\nRay Serve ({args.replicas} replicas) vs one process, {cores} cores, {args.dtype}, median of "
         f"{args.repeats} alternating repeats\n"
     )
-    print("| system | latency p50 ms (max_tokens=1) | latency mean ms | tokens/s | requests/s |")
-    print("|---|---|---|---|---|")
+    print("| system | p50 ms, max_tokens=1 | mean ms | p50 ms, no-model 404 | tokens/s | requests/s |")
+    print("|---|---|---|---|---|---|")
     for system, label in (("single", "one process"), ("ray", f"Ray Serve, {args.replicas} replicas")):
         print(
             f"| {label} | {median(system, 'latency_p50_ms'):.1f} | {median(system, 'latency_mean_ms'):.1f} | "
-            f"{median(system, 'tokens_per_s'):.1f} | {median(system, 'requests_per_s'):.2f} |"
+            f"{median(system, 'no_model_p50_ms'):.1f} | {median(system, 'tokens_per_s'):.1f} | "
+            f"{median(system, 'requests_per_s'):.2f} |"
         )
     print(
         f"\nrouting overhead per request (Ray p50 / one-process p50): {overhead:.2f}x (+{overhead_ms:.1f} ms)"
     )
+    print(f"transport alone (no-model 404, Ray minus one process): +{hop_ms:.1f} ms")
     print(
         f"aggregate throughput, {args.clients} clients x {args.requests} requests x {args.max_tokens} tokens "
         f"over {len(MODELS)} models (Ray / one process): {throughput:.2f}x"
@@ -253,15 +265,10 @@ def main() -> None:
                 "dtype": args.dtype,
                 "cores": cores,
                 "placement_under_ray": dict(zip(MODELS, placement["ray"], strict=True)),
-                "summary": {
-                    system: {
-                        key: median(system, key)
-                        for key in ("latency_p50_ms", "latency_mean_ms", "tokens_per_s", "requests_per_s")
-                    }
-                    for system in runs
-                },
+                "summary": {system: {key: median(system, key) for key in SUMMARY_KEYS} for system in runs},
                 "routing_overhead": overhead,
                 "routing_overhead_ms": overhead_ms,
+                "hop_overhead_ms": hop_ms,
                 "throughput_ratio": throughput,
                 "load_average": load[:2],
                 "runs": runs,
