@@ -78,7 +78,22 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--drafter", help="transformers-assisted: the assistant model (default: prompt lookup)"
     )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
-    bench.set_defaults(run=run)
+    bench.set_defaults(run=run, _bench_parser=bench)
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command that reproduces this run: the workload and every option not at its default."""
+    words = ["polylane", "bench", args.workload]
+    for action in args._bench_parser._actions:
+        if not action.option_strings or action.dest in ("help", "api_key", "no_progress"):  # never a secret
+            continue
+        value = getattr(args, action.dest, None)
+        if value is None or value == action.default or value is False:
+            continue
+        words.append(action.option_strings[0])
+        if value is not True:
+            words += [str(v) for v in value] if isinstance(value, list) else [str(value)]
+    return shlex.join(words)
 
 
 def _models(specs: list[str]) -> tuple[tuple[str, str], ...]:
@@ -132,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         url=args.url,
         api_key=args.api_key or os.environ.get("POLYLANE_API_KEY") or None,
         progress=not args.no_progress,
-        command=shlex.join(["polylane", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else "",
+        command=command_line(args),
     )
     out = Path(args.out or Path("bench") / "out" / args.workload)
     results = harness.run(config)

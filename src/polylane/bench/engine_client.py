@@ -6,9 +6,10 @@ sending one `BenchRequest` through `Engine.submit` and timing its stream events,
 `Engine.stats()` into `EngineCounters`. It does not decide what to run (the harness) or compute
 any metric (`metrics`).
 
-Speculation counters: `engine_counters` reads `stats.speculation` when the engine has it (an
-object with `drafted_tokens`, `accepted_tokens`, `emitted_tokens` and `verify_steps`, counted
-since the engine started); until then they are None and the report shows them as not measured.
+Speculation counters: `engine_counters` sums `stats.speculation` when the engine has it (one
+snapshot per (target, drafter) pair with `draft_tokens`, `accepted_tokens`, `emitted_tokens` and
+`rounds`, i.e. verify passes, counted since the engine started); without it they are None and the
+report shows them as not measured.
 """
 
 from __future__ import annotations
@@ -126,9 +127,19 @@ def engine_counters(engine: Engine) -> EngineCounters:
 
 
 def _speculation(stats: object) -> SpeculationCounters | None:
+    """Speculation counters summed over `stats.speculation`: one snapshot per (target, drafter)
+    pair, or one object; None when the engine has none or nothing has speculated yet."""
     spec = getattr(stats, "speculation", None)
-    if spec is None:
+    if not spec:
         return None
+    pairs = spec if isinstance(spec, tuple | list) else (spec,)
+
+    def total(*names: str) -> int:
+        return sum(int(next((getattr(p, n) for n in names if hasattr(p, n)), 0)) for p in pairs)
+
     return SpeculationCounters(
-        int(spec.drafted_tokens), int(spec.accepted_tokens), int(spec.emitted_tokens), int(spec.verify_steps)
+        total("draft_tokens", "drafted_tokens"),
+        total("accepted_tokens"),
+        total("emitted_tokens"),
+        total("rounds", "verify_steps"),
     )

@@ -209,6 +209,7 @@ def environment(load_average: tuple[list[float], list[float]]) -> dict[str, Any]
         except Exception:
             versions[package] = None
     return {
+        "git": _git(),
         "python": platform.python_version(),
         "machine": platform.machine(),
         "processor": _cpu_name(),
@@ -217,6 +218,29 @@ def environment(load_average: tuple[list[float], list[float]]) -> dict[str, Any]
         "load_average_before": load_average[0],
         "load_average_after": load_average[1],
     }
+
+
+def _git() -> dict[str, Any] | None:
+    """The commit polylane runs from and how many files differ from it (None outside a checkout)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": commit, "modified_files": len(changed)}
 
 
 def _cpu_name() -> str:

@@ -95,7 +95,7 @@ def markdown(results: dict[str, Any]) -> str:
         "the median shown, systems alternating their order every repeat. "
         f"{env['cpu_count']} cores ({env.get('processor') or env['machine']}), "
         f"torch {versions.get('torch')}, transformers {versions.get('transformers')}; "
-        f"load average {_loads(env)}. "
+        f"load average {_loads(env)}{_commit(env)}. "
         "Ratios: how many times better polylane is (> 1: polylane better; rates ours ÷ theirs, latencies "
         "theirs ÷ ours).",
     ]
@@ -193,6 +193,14 @@ def markdown(results: dict[str, Any]) -> str:
         lines += ["", "Acceptance and tokens per verify show — until the engine reports speculation."]
     lines += ["", "Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS), ""]
     return "\n".join(lines)
+
+
+def _commit(env: dict[str, Any]) -> str:
+    git = env.get("git")
+    if not git:
+        return ""
+    dirty = f", {git['modified_files']} files modified" if git["modified_files"] else ""
+    return f"; polylane at {git['commit'][:10]}{dirty}"
 
 
 def _loads(env: dict[str, Any]) -> str:
@@ -330,6 +338,8 @@ def plot_latency(results: dict[str, Any], path: Path) -> None:
 
 def plot_timeline(results: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     phases, timelines = results["phases"], results["timelines"]
     names = list(timelines)
     models = sorted({m["name"] for m in results["settings"]["models"]})
@@ -350,6 +360,7 @@ def plot_timeline(results: dict[str, Any], path: Path) -> None:
                 )
                 end = t["last_token"] if t["last_token"] is not None else t["first_token"]
                 axis.plot([t["first_token"], end], [index, index], color=colour, linewidth=2.5)
+            axis.yaxis.set_major_locator(MaxNLocator(integer=True))
             axis.set_title(f"{name}: {phase['name']}", fontsize=9)
             axis.set_xlabel("seconds", fontsize=8)
             axis.tick_params(labelsize=7)

@@ -286,9 +286,12 @@ def _single(options: WorkloadOptions, rng: random.Random, repeat: int) -> tuple[
     )
     return (
         Phase(
-            "prefill", prefill, 1, f"{count} prompts of about {options.prompt_tokens} tokens, one at a time"
+            "prefill",
+            prefill,
+            1,
+            f"{_plural(count, 'prompt')} of about {options.prompt_tokens} tokens, one at a time",
         ),
-        Phase("decode", decode, 1, f"{count} streams of {max_tokens} tokens, one at a time"),
+        Phase("decode", decode, 1, f"{_plural(count, 'stream')} of {max_tokens} tokens, one at a time"),
         Phase(
             f"batch-{options.batch}",
             batch,
@@ -296,6 +299,10 @@ def _single(options: WorkloadOptions, rng: random.Random, repeat: int) -> tuple[
             f"{options.batch} streams of {max_tokens} tokens sent at once",
         ),
     )
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _lengths(options: WorkloadOptions, rng: random.Random) -> int:

@@ -1,0 +1,165 @@
+"""Every workload at tiny size on the real SmolLM2, through `polylane bench`, with a baseline each.
+
+Each test runs the command in-process (the harness never imports torch; the systems run in worker
+processes), then checks the results document against the schema, the plots, the last stdout line,
+and behaviour: every request completes with exactly the tokens asked for, the decode lane is
+observed to hold one model at a time, the prefix cache is hit only where it is on. Never speed.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from polylane.bench import report
+from polylane.cli import main
+from tests.conftest import fetch_or_skip
+
+SMOL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _smollm2() -> None:
+    fetch_or_skip(SMOL)
+
+
+def bench(capsys: pytest.CaptureFixture[str], out: Path, *argv: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run `polylane bench ARGV`; the results document (checked against the schema) and the
+    last stdout line, parsed."""
+    code = main(["bench", *argv, "--out", str(out), "--repeats", "1", "--no-progress", "--kv-tokens", "1024"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    jsonschema.validate(results, report.schema())
+    last = json.loads(captured.out.strip().splitlines()[-1])
+    assert last["workload"] == results["workload"]
+    assert (out / "results.md").read_text().startswith(f"# polylane bench `{results['workload']}`")
+    for name in report.PLOTS:
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, f"{name}: {len(data)} bytes"
+    for system, entry in results["systems"].items():
+        for phase, summary in entry["summary"].items():
+            assert summary["errors"] == 0, f"{system}/{phase}: {results['timelines'][system][phase]}"
+            assert summary["completed"] == summary["requests"]
+    return results, last
+
+
+def test_single_with_plain_baseline(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    results, last = bench(
+        capsys, tmp_path, "single", "--requests", "1", "--max-tokens", "4", "--prompt-tokens", "64",
+        "--batch", "2", "--baseline", "plain",
+    )  # fmt: skip
+    assert [p["name"] for p in results["phases"]] == ["prefill", "decode", "batch-2"]
+    for system in ("polylane", "plain"):
+        summary = results["systems"][system]["summary"]
+        assert summary["prefill"]["output_tokens"] == 1
+        assert summary["prefill"]["prompt_tokens"] >= 40
+        assert summary["decode"]["output_tokens"] == 4
+        assert summary["batch-2"]["output_tokens"] == 8
+        assert summary["prefill"]["prefill_tokens_per_s"] > 0
+        assert summary["batch-2"]["engine"]["max_concurrent_decode"] == 1
+    ratio = results["systems"]["plain"]["ratio"]["decode"]["stream_decode_tokens_per_s"]
+    assert ratio is not None and ratio > 0
+    assert last["ratios"]["plain"]["prefill"]["prefill_tokens_per_s"] is not None
+
+
+def test_mix_of_two_models_with_per_process_baseline(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    results, _ = bench(
+        capsys, tmp_path, "mix", "--models", f"smol-a={SMOL}", f"smol-b={SMOL}", "--requests", "6",
+        "--max-tokens", "4", "--rate", "0", "--concurrency", "6", "--zipf", "0", "--baseline", "per-process",
+    )  # fmt: skip
+    expected = sum(r["output_tokens"] for r in results["timelines"]["polylane"]["mix"])
+    polylane = results["systems"]["polylane"]["summary"]["mix"]
+    assert set(polylane["per_model"]) == {"smol-a", "smol-b"}, "uniform popularity drew only one model"
+    engine = polylane["engine"]
+    assert engine["max_concurrent_decode"] == 1, "the decode lane held two models at once"
+    assert set(engine["lane_share"]) == {"smol-a", "smol-b"}
+    assert sum(engine["lane_share"].values()) == pytest.approx(1.0)
+    assert engine["residency_misses"] == 0, "models were loaded during the timed run"
+    per_process = results["systems"]["per-process"]
+    assert per_process["transport"] == "processes"
+    assert per_process["summary"]["mix"]["output_tokens"] == expected
+    assert per_process["summary"]["mix"]["engine"]["max_concurrent_decode"] is None
+    assert per_process["ratio"]["mix"]["throughput_tokens_per_s"] > 0
+
+
+def test_shared_prefix_hits_the_cache_only_when_it_is_on(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    results, _ = bench(
+        capsys, tmp_path, "shared-prefix", "--requests", "2", "--prefixes", "1", "--max-tokens", "3",
+        "--rate", "0", "--concurrency", "1", "--baseline", "plain",
+    )  # fmt: skip
+    polylane = results["systems"]["polylane"]["summary"]["shared-prefix"]
+    plain = results["systems"]["plain"]["summary"]["shared-prefix"]
+    # The second request reuses the first one's system prompt (about 600 tokens).
+    assert polylane["cached_tokens"] >= 400, polylane
+    assert polylane["prefix_hit_rate"] > 0.3
+    assert plain["cached_tokens"] == 0
+    assert polylane["prompt_tokens"] == plain["prompt_tokens"]
+
+
+def test_spec_with_transformers_assisted_baseline(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    results, last = bench(
+        capsys, tmp_path, "spec", "--requests", "1", "--max-tokens", "6",
+        "--baseline", "transformers-assisted",
+    )  # fmt: skip
+    assert [p["name"] for p in results["phases"]] == ["drafting-pays", "drafting-does-not-pay"]
+    for phase in ("drafting-pays", "drafting-does-not-pay"):
+        spec = results["speculation"][phase]
+        assert spec["acceptance_rate"] is None, "the engine does not report speculation yet"
+        assert spec["speedup"]["transformers-assisted"] is not None
+        for system in ("polylane", "transformers-assisted"):
+            summary = results["systems"][system]["summary"][phase]
+            assert 1 <= summary["output_tokens"] <= 6
+        assert results["systems"]["transformers-assisted"]["summary"][phase]["engine"] is None
+    assert "speculation" in last
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_single_against_a_running_server(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import uvicorn
+
+    from polylane.server.app import build_state, create_app
+    from polylane.server.config import ModelDecl, ServerConfig
+
+    state = build_state(ServerConfig(models=(ModelDecl(SMOL, SMOL, kv_tokens=1024),), budget_bytes=8 * 2**30))
+    port = _free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        results, _ = bench(
+            capsys, tmp_path, "single", "--url", f"http://127.0.0.1:{port}", "--requests", "1",
+            "--max-tokens", "4", "--prompt-tokens", "64", "--batch", "2", "--baseline", "none",
+        )  # fmt: skip
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+    polylane = results["systems"]["polylane"]
+    assert polylane["transport"] == "http"
+    assert polylane["summary"]["decode"]["output_tokens"] == 4  # from the server's usage
+    assert polylane["summary"]["batch-2"]["output_tokens"] == 8
+    engine = polylane["summary"]["batch-2"]["engine"]
+    assert engine is not None, "counters come from the server's /metrics"
+    assert engine["decode_steps"] >= 3 and engine["max_concurrent_decode"] == 1
