@@ -316,7 +316,7 @@ def _finetune(
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if not quiet:
             print(f"fine-tune step {step + 1}/{spec.steps}: loss {losses[-1]:.4f}", flush=True)
     state = model.state_dict()

@@ -164,6 +164,8 @@ def _sibling(entry: dict[str, Any], where: str) -> tuple[str | None, SiblingSpec
     if not isinstance(entry["sibling_of"], str) or not isinstance(entry.get("top_layers"), int):
         raise ConfigError(f"{where}: sibling_of needs a model name and top_layers an integer")
     finetune = entry.get("finetune")
+    if finetune is not None and "seed" in entry:
+        raise ConfigError(f"{where}: give seed (perturbation) or finetune (a text file), not both")
     try:
         spec = SiblingSpec(
             top_layers=entry["top_layers"],
@@ -186,7 +188,7 @@ def ensure_siblings(models: list[ModelDecl], *, quiet: bool = False) -> None:
                 print(f"polylane: preparing sibling {model.name} of {model.sibling_of} …", file=sys.stderr)
             try:
                 ensure_sibling(model.sibling_of, model.sibling, model.source, quiet=quiet)
-            except (SiblingError, OSError) as error:
+            except (ValueError, OSError, RuntimeError) as error:  # bad spec, unknown source, load error
                 raise ConfigError(f"model {model.name!r}: cannot write its sibling: {error}") from None
 
 
