@@ -10,9 +10,10 @@ deployment (`PolylaneIngress`) that Ray Serve's HTTP proxy sends every request t
   multiplexing picks a replica that already holds the model, or else the replica with the fewest
   models (the least loaded) for it to load there; a request without a known model goes to any
   replica, whose app answers it exactly as the single-process server would (400, 404 …);
-- answers `/v1/models`, `/metrics` and `/health` from the replicas' reports (`ReplicaDirectory`):
-  `/v1/models` lists each model once with its state on every replica, `/metrics` is every
-  replica's Prometheus text with a `replica` label, `/health` is 200 while a replica is alive;
+- answers `/v1/models`, `/metrics` and `/health` from the replicas' reports (`ReplicaDirectory`,
+  sent every second, so up to a second old): `/v1/models` lists each model once with its state on
+  every replica, `/metrics` is every replica's Prometheus text with a `replica` label, `/health`
+  is 200 while a replica is alive;
 - turns a replica that dies under a request into a clear error: a 503 in OpenAI's error shape
   (with Retry-After) if no byte was sent yet, else a final SSE error event and `data: [DONE]`.
   Ray Serve replaces the dead replica (health checks every `health_check_period_s`).

@@ -178,8 +178,9 @@ class PolylaneReplica:
     """A Ray Serve deployment body: one polylane engine and the single-process app over it.
 
     `forward(request)` is an async generator (call it through a handle with `stream=True`) that
-    yields the app's response as `call_asgi` parts, each tagged with this replica's id in the
-    `x-polylane-replica` header.
+    yields the app's response as `call_asgi` parts; the response's headers carry this replica's id
+    (`x-polylane-replica`). Ray Serve builds it (the constructor is async: it starts the reporting
+    task on the replica's event loop).
     """
 
     async def __init__(self, config: ServerConfig, threads: int = 1) -> None:
