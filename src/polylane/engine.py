@@ -30,12 +30,14 @@ from polylane import catalog
 from polylane.engine_stats import EngineStats, StatsRecorder
 from polylane.policy.residency import NoRoomError, ResidencyError
 from polylane.policy.scheduler import Scheduler, SchedulerConfig
+from polylane.policy.spec_control import SpeculationConfig
 from polylane.policy.stop_strings import StopStringMatcher
 from polylane.runtime.detokenizer import IncrementalDetokenizer
 from polylane.runtime.digests import cached_digest
-from polylane.runtime.loader import read_config
+from polylane.runtime.loader import estimate_weight_bytes, read_config
 from polylane.runtime.residency import DEFAULT_KV_TOKENS, ModelLease, ResidencyManager
 from polylane.runtime.runner import Runner
+from polylane.runtime.spec_setup import SpeculationSetup
 from polylane.runtime.tokenizer import ChatTemplateError, Tokenizer, load_tokenizer
 from polylane.types import SamplingParams, StepPlan, StepResult
 
@@ -52,6 +54,14 @@ class UnknownModelError(LookupError):
 
 class RequestTooLongError(ValueError):
     """The prompt plus max_tokens do not fit the model's context (or its KV pool)."""
+
+
+def _header_bytes(source: catalog.ModelSource, dtype: str) -> int:
+    """Weight bytes from the file's header (what a decode step streams), 0 when unknown."""
+    try:
+        return estimate_weight_bytes(source.path, source.format, dtype)
+    except Exception:
+        return 0
 
 
 class EngineDeadError(RuntimeError):
@@ -77,10 +87,16 @@ class ServedModel:
     max_context: int
     kv_tokens: int
     tokenizer: Tokenizer = field(repr=False)
+    speculation: SpeculationConfig | None = None
+    weight_bytes: int = 0  # estimated from the file's header (0: unknown)
 
     @property
     def max_request_tokens(self) -> int:
         return min(self.max_context, self.kv_tokens)
+
+    @property
+    def tokenizer_digest(self) -> str:
+        return self.tokenizer.digest
 
 
 @dataclass(frozen=True)
@@ -221,6 +237,7 @@ class Engine:
         )
         self.scheduler = Scheduler(config.scheduler)
         self.runner = Runner()
+        self.speculation = SpeculationSetup(self.manager, self.runner)
         self.stats_recorder = StatsRecorder()
         self._models: dict[str, ServedModel] = {}
         self._outputs: dict[int, _Output] = {}
@@ -244,8 +261,13 @@ class Engine:
         dtype: str = "fp32",
         pinned: bool = False,
         kv_tokens: int = DEFAULT_KV_TOKENS,
+        speculation: SpeculationConfig | bool | str | list[str] | dict[str, Any] | None = None,
     ) -> ServedModel:
-        """Serve a model (catalogue name or local path; fetched now if missing, loaded on first use)."""
+        """Serve a model (catalogue name or local path; fetched now if missing, loaded on first use).
+
+        speculation: speculative decoding for this model's requests (a `SpeculationConfig`, True
+        for the defaults, drafter names, or a dict of its fields; see `policy.spec_control`).
+        """
         if name in self._models:
             raise ValueError(f"model {name!r} is already registered")
         resolved = catalog.resolve(source or name, quiet=self.config.quiet)
@@ -254,9 +276,20 @@ class Engine:
         kv_tokens = min(kv_tokens, model_config.max_context)
         self.manager.register(name, source or name, dtype, pinned, kv_tokens)
         self.runner.sharing.declare(name, cached_digest(resolved, dtype))  # peers may share its layers
+        if not isinstance(speculation, SpeculationConfig):
+            speculation = SpeculationConfig.parse(speculation)
         served = ServedModel(
-            name, source or name, dtype, pinned, model_config.max_context, kv_tokens, tokenizer
+            name,
+            source or name,
+            dtype,
+            pinned,
+            model_config.max_context,
+            kv_tokens,
+            tokenizer,
+            speculation,
+            _header_bytes(resolved, dtype),
         )
+        self.speculation.register(served, speculation, source or name, kv_tokens)
         self._models[name] = served
         self._inbox.put(("model", name))
         self._wake.set()
@@ -323,6 +356,7 @@ class Engine:
             self.manager.counters(),
             self._prefix_stats(),
             self.runner.sharing.stats(),
+            speculation=self.speculation.snapshot(),
         )
 
     @property
@@ -401,14 +435,19 @@ class Engine:
 
     def _load(self, name: str) -> None:
         """Loader thread: acquire a lease (loading the model if needed) and tell the loop."""
+        drafters: dict[str, ModelLease] = {}
         try:
             lease: ModelLease | Exception = self.manager.acquire(name)
         except Exception as error:  # reported to the loop; the model's requests get the error
             lease = error
-        self._inbox.put(("loaded", (name, lease)))
+        else:
+            drafters = self.speculation.acquire_drafters(name)
+        self._inbox.put(("loaded", (name, lease, drafters)))
         self._wake.set()
 
-    def _model_loaded(self, name: str, lease: ModelLease | Exception) -> None:
+    def _model_loaded(
+        self, name: str, lease: ModelLease | Exception, drafters: dict[str, ModelLease] | None = None
+    ) -> None:
         if isinstance(lease, NoRoomError):
             self.scheduler.model_blocked(name, str(lease))
         elif isinstance(lease, Exception):
@@ -416,8 +455,12 @@ class Engine:
             self.scheduler.model_failed(name, message)
         elif self._stopping:
             lease.release()
+            for drafter in (drafters or {}).values():
+                drafter.release()
         else:
             self.runner.attach(lease)
+            self.speculation.attach(name, lease, drafters or {})
+            self.speculation.offer(name)  # idle models draft: targets that may use it take it
             self.scheduler.model_ready(name, self.runner.free_blocks(name), lease.kv.block_size)
 
     def _deliver(self, plan: StepPlan, result: StepResult) -> None:
@@ -431,29 +474,34 @@ class Engine:
             output = self._outputs.get(request_id)
             if output is not None and output.generated == 0:
                 output.handle.cached_tokens = cached
-        for request_id, token in result.tokens.items():
+        for request_id, first in result.tokens.items():
             output = self._outputs[request_id]
             handle = output.handle
-            output.generated += 1
             if handle.first_token_at is None:
                 handle.first_token_at = now
                 self.stats_recorder.first_token(handle.model, now - handle.submitted_at)
             handle.last_token_at = now
-            reason = None
-            if token in output.stop_ids and not output.params.ignore_eos:
-                text, reason = output.stops.flush(), "stop"
-            else:
-                text = output.stops.push(output.detokenizer.push(token))
+            reason, text, tokens = None, "", []
+            # one token, or the several of a speculative round, each checked in turn
+            for token in (first, *result.extra_tokens.get(request_id, ())):
+                output.generated += 1
+                tokens.append(token)
+                if token in output.stop_ids and not output.params.ignore_eos:
+                    text, reason = text + output.stops.flush(), "stop"
+                    break
+                text += output.stops.push(output.detokenizer.push(token))
                 if output.stops.stopped:
                     reason = "stop"
-                elif output.generated >= output.params.max_tokens:
+                    break
+                if output.generated >= output.params.max_tokens:
                     text, reason = text + output.stops.flush(), "length"
+                    break
             if reason is None:
-                handle._push(StreamEvent(text, (token,)))
+                handle._push(StreamEvent(text, tuple(tokens)))
                 continue
             result.finished[request_id] = reason
             self.runner.finish(request_id, cache=True)
-            self._end(request_id, reason, None, text, (token,))
+            self._end(request_id, reason, None, text, tuple(tokens))
 
     def _end(
         self, request_id: int, reason: str, error: str | None, text: str = "", tokens: tuple[int, ...] = ()
@@ -478,6 +526,8 @@ class Engine:
                 payload[0]._push(StreamEvent("", (), reason, message))
             elif kind == "loaded" and not isinstance(payload[1], Exception):
                 payload[1].release()
+                for drafter in payload[2].values():
+                    drafter.release()
         for request_id in list(self._outputs):
             self._end(request_id, reason, message)
         self.runner.detach_all()

@@ -52,6 +52,7 @@ class EngineStats:
     switch_overhead: float
     models: dict[str, ModelStats]
     residency: Any  # ManagerCounters
+    speculation: tuple[Any, ...] = ()  # a `runtime.spec_setup.PairSnapshot` per (target, drafter)
 
     @property
     def lane_share(self) -> dict[str, float]:
@@ -106,6 +107,7 @@ class StatsRecorder:
         residency: Any,
         prefix: dict[str, Any],
         cross_model: dict[str, Any] | None = None,
+        speculation: list[Any] | None = None,
     ) -> EngineStats:
         with self._lock:
             models = {
@@ -147,6 +149,7 @@ class StatsRecorder:
             switch_overhead=overhead,
             models=models,
             residency=residency,
+            speculation=tuple(speculation or ()),
         )
 
 

@@ -10,6 +10,7 @@ from polylane.policy.sequence_blocks import validate_tree
 # sampler's floats to inf and NaN.
 GREEDY_BELOW_TEMPERATURE = 1e-4
 
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its next token.
@@ -23,6 +24,9 @@ class SamplingParams:
     max_tokens: the most tokens to generate.
     stop: strings that end generation; they are never part of the output.
     ignore_eos: keep generating past the model's end-of-sequence tokens (for benchmarks).
+    speculation: None follows the model's setting (speculative decoding when it was added with
+        one); False never speculates for this request. Output (greedy tokens, or the sampled
+        distribution) is the same either way.
     """
 
     temperature: float = 0.0
@@ -33,6 +37,7 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    speculation: bool | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
@@ -158,6 +163,7 @@ class StepResult:
 
     computed: request → tokens of KV it holds after the step (prefix-cache hits included).
     tokens: request → the token sampled this step (first token after prefill, or a decode token).
+    extra_tokens: request → the tokens a speculative round produced after `tokens`' one, in order.
     cached: request → prompt tokens served from the prefix cache, when its KV was opened this step.
     preempted: requests whose KV was dropped for want of blocks; they prefill again (recompute).
     failed: request → error message (its KV is already let go).
@@ -168,6 +174,7 @@ class StepResult:
     step: int
     computed: dict[int, int] = field(default_factory=dict)
     tokens: dict[int, int] = field(default_factory=dict)
+    extra_tokens: dict[int, tuple[int, ...]] = field(default_factory=dict)
     cached: dict[int, int] = field(default_factory=dict)
     preempted: list[int] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)

@@ -109,7 +109,9 @@ def test_shape_validation_and_limits():
     with pytest.raises(ValueError):
         TreeShape.topk(2, 0)
     assert TreeShape.chain(6).limited(3) == TreeShape.chain(3)
-    assert TreeShape.topk(3, 2).limited(4) == TreeShape.chain(4)
+    assert TreeShape.topk(3, 2).limited(4) == TreeShape.topk(3)
+    assert TreeShape.topk(3, 2).limited(2) == TreeShape.chain(2)
+    assert TreeShape.beam(2, 5).limited(7) == TreeShape.beam(2, 3)
     assert TreeShape.topk(2, 1, 1).is_chain is False and TreeShape.topk(1, 1).is_chain
     assert TreeShape.beam(3, 2).max_nodes == 6 and TreeShape.dynamic(4, 2, 100).max_nodes == 2 + 3 * 4
 

@@ -181,7 +181,7 @@ class Scheduler:
                 request.computed = computed
         for request_id in result.tokens:
             if (request := self._requests.get(request_id)) is not None:
-                request.generated += 1
+                request.generated += 1 + len(result.extra_tokens.get(request_id, ()))
                 request.ready_step = plan.step
                 request.state = DECODE
         for request_id in result.preempted:

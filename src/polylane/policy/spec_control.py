@@ -27,6 +27,7 @@ decode, (depth·c_draft + t(B·(nodes + 1))) / t(B). The best wins if its speedu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -167,42 +168,77 @@ class Ema:
 
 @dataclass
 class AcceptanceStats:
-    """Rank rates by depth: reached[d], hits[d][r] (decayed counts), d = 1 … MAX_DEPTH."""
+    """Rank rates by depth: decayed counts of nodes reached at depth d and of the target's token
+    being candidate r there (d = 1 … MAX_DEPTH, r < MAX_RANK).
+
+    Decay is lazy: counts are stored multiplied by a growing scale, so a record is O(1).
+    """
 
     decay: float = 0.99
-    reached: list[float] = field(default_factory=lambda: [0.0] * (MAX_DEPTH + 1))
-    hits: list[list[float]] = field(default_factory=lambda: [[0.0] * MAX_RANK for _ in range(MAX_DEPTH + 1)])
+    reached_scaled: list[float] = field(default_factory=lambda: [0.0] * (MAX_DEPTH + 1))
+    hits_scaled: list[list[float]] = field(
+        default_factory=lambda: [[0.0] * MAX_RANK for _ in range(MAX_DEPTH + 1)]
+    )
+    scale: float = 1.0
     events: int = 0
 
     def record(self, depth: int, rank: int | None) -> None:
         """At a node of depth `depth - 1`, the target's token was candidate `rank` (None: a miss)."""
         depth = min(max(depth, 1), MAX_DEPTH)
         self.events += 1
-        for d in range(1, MAX_DEPTH + 1):  # decay every depth alike, so ratios stay comparable
-            self.reached[d] *= self.decay
-            self.hits[d] = [h * self.decay for h in self.hits[d]]
-        self.reached[depth] += 1.0
+        self.scale /= self.decay
+        if self.scale > 1e100:  # renormalise long before floats overflow
+            self.reached_scaled = [v / self.scale for v in self.reached_scaled]
+            self.hits_scaled = [[v / self.scale for v in row] for row in self.hits_scaled]
+            self.scale = 1.0
+        self.reached_scaled[depth] += self.scale
         if rank is not None and 0 <= rank < MAX_RANK:
-            self.hits[depth][rank] += 1.0
+            self.hits_scaled[depth][rank] += self.scale
 
-    def rates(self, depth: int, prior: Sequence[float], prior_weight: float = 2.0) -> list[float]:
-        """Rank rates at `depth`: the depth's own counts, then all depths pooled, then `prior`."""
-        depth = min(max(depth, 1), MAX_DEPTH)
-        pooled_reached = sum(self.reached[1:])
+    def reached(self, depth: int) -> float:
+        return self.reached_scaled[depth] / self.scale
+
+    def hits(self, depth: int) -> list[float]:
+        return [v / self.scale for v in self.hits_scaled[depth]]
+
+    def table(
+        self,
+        prior: Sequence[float],
+        extra: AcceptanceStats | None = None,
+        extra_weight: float = 0.0,
+        own_cap: float = float("inf"),
+        prior_weight: float = 2.0,
+    ) -> list[list[float]]:
+        """table[d][k]: chance that the target's token is among the drafter's k best candidates
+        at depth d (k = 0 … MAX_RANK). Each depth's own counts are smoothed towards all depths
+        pooled, and those towards `prior`. With `extra` (a request's own counts), those are added
+        with weight `extra_weight` and this object's counts are capped at `own_cap` events in all
+        (so a request's own history soon outweighs its pair's)."""
+        total = sum(self.reached_scaled[1:]) / self.scale
+        own = min(1.0, own_cap / total) / self.scale if total > 0 else 0.0
+        extra_scale = extra_weight / extra.scale if extra is not None else 0.0
+        reached = [0.0] * (MAX_DEPTH + 1)
+        hits = [[0.0] * MAX_RANK for _ in range(MAX_DEPTH + 1)]
+        for d in range(1, MAX_DEPTH + 1):
+            reached[d] = self.reached_scaled[d] * own
+            hits[d] = [v * own for v in self.hits_scaled[d]]
+            if extra is not None:
+                reached[d] += extra.reached_scaled[d] * extra_scale
+                hits[d] = [h + v * extra_scale for h, v in zip(hits[d], extra.hits_scaled[d], strict=True)]
+        pooled_reached = sum(reached[1:])
         pooled = [
-            (sum(self.hits[d][r] for d in range(1, MAX_DEPTH + 1)) + prior_weight * prior[r])
+            (sum(hits[d][r] for d in range(1, MAX_DEPTH + 1)) + prior_weight * prior[r])
             / (pooled_reached + prior_weight)
             for r in range(MAX_RANK)
         ]
-        reached = self.reached[depth]
-        return [
-            (self.hits[depth][r] + prior_weight * pooled[r]) / (reached + prior_weight)
-            for r in range(MAX_RANK)
-        ]
-
-    def accept_rate(self, depth: int, children: int, prior: Sequence[float]) -> float:
-        """Chance to accept one of `children` top-ranked children at `depth`."""
-        return min(1.0, sum(self.rates(depth, prior)[: min(children, MAX_RANK)]))
+        table = [[0.0] * (MAX_RANK + 1)]
+        for d in range(1, MAX_DEPTH + 1):
+            row, running = [0.0], 0.0
+            for r in range(MAX_RANK):
+                running += (hits[d][r] + prior_weight * pooled[r]) / (reached[d] + prior_weight)
+                row.append(min(1.0, running))
+            table.append(row)
+        return table
 
 
 @dataclass
@@ -308,16 +344,19 @@ _PRIORS = {"model": (0.6, 0.1, 0.05, 0.03), "twin": (0.8, 0.08, 0.03, 0.02), NGR
 class SpecController:
     """Decisions and statistics for one target model (see the module docstring)."""
 
-    def __init__(self, target: str, config: SpeculationConfig) -> None:
+    def __init__(
+        self, target: str, config: SpeculationConfig, pairs: dict[str, PairStats] | None = None
+    ) -> None:
+        """`pairs`: statistics to continue (a target reloaded keeps what it learnt)."""
         self.target = target
         self.config = config
         self.drafters: dict[str, DrafterInfo] = {}
-        self.pairs: dict[str, PairStats] = {}
+        self.pairs: dict[str, PairStats] = pairs if pairs is not None else {}
         self.verify_cost = LinearCost()
         self.draft_cost: dict[str, Ema] = {}
         self.shape_tokens: dict[tuple[str, TreeShape], Ema] = {}
         self._requests: dict[int, _RequestState] = {}
-        self._shape_cache: dict[str, list[TreeShape]] = {}
+        self._shape_cache: dict[str, list[tuple[TreeShape, int, int]]] = {}
 
     # ------------------------------------------------------------------ setup
 
@@ -379,16 +418,29 @@ class SpecController:
         names = [n for n in available if n in self.drafters]
         if not names or max_nodes < 1:
             return None
-        best: SpecDecision | None = None
+        batch = max(1, batch_size)
+        plain = self._forward_seconds(batch)
+        best: tuple[float, str, TreeShape, float] | None = None  # speedup, drafter, shape, tokens
         for name in names:
             table = self._accept_table(name, request)
-            for shape in self._shapes(self.drafters[name].kind):
-                shape = shape.limited(max_nodes)
+            info = self.drafters[name]
+            per_forward = self.draft_cost[name].value(default=info.relative_cost * plain)
+            for shape, nodes, depth in self._shapes(info.kind):
+                if nodes > max_nodes:
+                    shape = shape.limited(max_nodes)
+                    nodes, depth = shape.max_nodes, shape.depth
                 tokens = self._estimate(name, shape, table)
-                speedup = tokens / self._relative_cost(name, shape, batch_size)
-                if best is None or speedup > best.expected_speedup + 1e-9:
-                    best = SpecDecision(name, shape, tokens, speedup)
+                forwards = depth if info.kind != NGRAM else 1
+                cost = (forwards * per_forward + self._forward_seconds(batch * (nodes + 1))) / plain
+                speedup = tokens / cost
+                if best is None or speedup > best[0] + 1e-9:
+                    best = (speedup, name, shape, tokens)
         assert best is not None
+        best_decision = SpecDecision(best[1], best[2], best[3], best[0])
+        return self._switch(state, best_decision)
+
+    def _switch(self, state: _RequestState, best: SpecDecision) -> SpecDecision | None:
+        """Speculate with `best`, or decode plainly when it loses (probing every so often)."""
         pair = self.pairs[best.drafter]
         config = self.config
         if config.adaptive and best.expected_speedup < config.min_speedup:
@@ -448,45 +500,38 @@ class SpecController:
 
     # ------------------------------------------------------------------ internals
 
-    def _shapes(self, kind: str) -> list[TreeShape]:
+    def _shapes(self, kind: str) -> list[tuple[TreeShape, int, int]]:
         if kind not in self._shape_cache:
-            self._shape_cache[kind] = self.candidate_shapes(kind)
+            self._shape_cache[kind] = [(s, s.max_nodes, s.depth) for s in self.candidate_shapes(kind)]
         return self._shape_cache[kind]
 
     def _accept_table(self, drafter: str, request: int | None) -> list[list[float]]:
-        """table[d][k]: chance to accept one of k top-ranked children at depth d (k ≤ MAX_RANK)."""
-        stats = self._blended(drafter, request)
-        prior = _PRIORS[self.drafters[drafter].kind]
-        table = [[0.0] * (MAX_RANK + 1)]
-        for depth in range(1, MAX_DEPTH + 1):
-            rates = stats.rates(depth, prior)
-            row, running = [0.0], 0.0
-            for rate in rates:
-                running += rate
-                row.append(min(1.0, running))
-            table.append(row)
-        return table
-
-    def _blended(self, drafter: str, request: int | None) -> AcceptanceStats:
+        """table[d][k]: chance to accept one of k top-ranked children at depth d (k ≤ MAX_RANK):
+        the pair's statistics, with the request's own (weighted up) where it has any."""
         pair = self.pairs[drafter].acceptance
+        prior = _PRIORS[self.drafters[drafter].kind]
         state = self._requests.get(request) if request is not None else None
         if state is None or state.acceptance.events == 0:
-            return pair
-        return _merge(pair, state.acceptance, request_weight=3.0)
+            return pair.table(prior)
+        return pair.table(prior, extra=state.acceptance, extra_weight=3.0, own_cap=8.0)
 
-    def _relative_cost(self, drafter: str, shape: TreeShape, batch_size: int) -> float:
-        """A round's seconds over a plain decode step's, for one request in a batch of B."""
-        batch = max(1, batch_size)
-        plain = self.verify_cost.predict(batch) if self.verify_cost.seen else 1.0
-        verify = (
-            self.verify_cost.predict(batch * (shape.max_nodes + 1))
-            if self.verify_cost.seen
-            else (1.0 + self.verify_cost.prior_slope_share * batch * shape.max_nodes)
-        )
-        info = self.drafters[drafter]
-        per_forward = self.draft_cost[drafter].value(default=info.relative_cost * plain)
-        forwards = shape.depth if info.kind != NGRAM else 1
-        return (forwards * per_forward + verify) / plain
+    def _forward_seconds(self, tokens: int) -> float:
+        """The target's forward over `tokens` new tokens: measured fit, else relative units."""
+        if self.verify_cost.seen:
+            return self.verify_cost.predict(tokens)
+        return 1.0 + self.verify_cost.prior_slope_share * (tokens - 1)
+
+
+@functools.cache
+def _dynamic_branchings(shape: TreeShape) -> tuple[tuple[int, ...], ...]:
+    """The top-k branchings a dynamic tree of this depth and budget could take the shape of."""
+    found = [(1,) * min(shape.depth, shape.budget)]
+    for head in ((2,), (3,), (2, 2), (4,), (3, 2), (4, 2)):
+        for depth in range(len(head), shape.depth + 1):
+            branching = (*head, *([1] * (depth - len(head))))
+            if sum(_level_sizes(branching)) <= shape.budget:
+                found.append(branching)
+    return tuple(found)
 
 
 def _level_sizes(branching: Sequence[int]) -> list[int]:
@@ -513,28 +558,8 @@ def _expected_tokens(table: list[list[float]], shape: TreeShape) -> float:
         return _expected(table, [1] * shape.depth)
     if shape.kind == DYNAMIC:
         # at least as good as the best top-k tree it could have grown within its budget
-        best = _expected(table, [1] * min(shape.depth, shape.budget))
-        for head in ((2,), (3,), (2, 2), (4,), (3, 2), (4, 2)):
-            for depth in range(len(head), shape.depth + 1):
-                branching = [*head, *([1] * (depth - len(head)))]
-                if sum(_level_sizes(branching)) <= shape.budget:
-                    best = max(best, _expected(table, branching))
-        return best
+        return max(_expected(table, branching) for branching in _dynamic_branchings(shape))
     return _expected(table, [shape.width] + [1] * (shape.depth - 1))  # beam
-
-
-def _merge(pair: AcceptanceStats, request: AcceptanceStats, request_weight: float) -> AcceptanceStats:
-    """Request counts weighted up over the pair's (the pair is the prior for a new request)."""
-    merged = AcceptanceStats(decay=request.decay)
-    pair_total = max(1.0, sum(pair.reached[1:]))
-    scale = min(1.0, 8.0 / pair_total)  # the pair counts as about 8 events at most
-    for d in range(MAX_DEPTH + 1):
-        merged.reached[d] = pair.reached[d] * scale + request.reached[d] * request_weight
-        merged.hits[d] = [
-            pair.hits[d][r] * scale + request.hits[d][r] * request_weight for r in range(MAX_RANK)
-        ]
-    merged.events = pair.events + request.events
-    return merged
 
 
 __all__ = [

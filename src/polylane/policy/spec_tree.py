@@ -117,7 +117,15 @@ class TreeShape:
             return TreeShape.chain(max_nodes)
         if self.kind == DYNAMIC:
             return TreeShape.dynamic(self.depth, self.top_k, max_nodes, self.min_confidence)
-        return TreeShape.chain(max_nodes)  # topk and beam trees shrink to a chain
+        if self.kind == BEAM and self.width <= max_nodes:
+            return TreeShape.beam(self.width, max_nodes // self.width)
+        if self.kind == TOPK:  # drop the deepest levels while the tree is too big
+            branching = list(self.branching)
+            while len(branching) > 1 and TreeShape.topk(*branching).max_nodes > max_nodes:
+                branching.pop()
+            if TreeShape.topk(*branching).max_nodes <= max_nodes:
+                return TreeShape.topk(*branching)
+        return TreeShape.chain(max_nodes)
 
 
 @dataclass(frozen=True)

@@ -69,10 +69,12 @@ def _visibility(chunk: SequenceChunk, size: int) -> torch.Tensor:
     if chunk.tree_parents is None:
         visible[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
         return visible
+    rows: list[list[bool]] = []
     for node, parent in enumerate(chunk.tree_parents):
-        visible[node, node] = True
-        if parent >= 0:
-            visible[node, :n] |= visible[parent, :n]
+        row = list(rows[parent]) if parent >= 0 else [False] * size
+        row[node] = True
+        rows.append(row)
+    visible[:n] = torch.tensor(rows, dtype=torch.bool)
     return visible
 
 
@@ -161,7 +163,15 @@ def _layout(
     new_index = key_index[None, :] - num_cached[:, None]  # (B, C) index into the chunk
     in_chunk = (new_index >= 0) & (key_index[None, :] < context_len[:, None])
     new_index = new_index.clamp(0, longest_chunk - 1)
-    visibility = torch.stack([_visibility(c, longest_chunk) for c in chunks])  # (B, Q, Q)
+    # (B, Q, Q): causal for chains (rows and columns past a chunk's end are padding, masked
+    # below), ancestor-or-self for trees; one shared causal matrix, trees built per chunk
+    causal = torch.ones(longest_chunk, longest_chunk, dtype=torch.bool).tril()
+    if is_tree:
+        visibility = torch.stack(
+            [causal if c.tree_parents is None else _visibility(c, longest_chunk) for c in chunks]
+        )
+    else:
+        visibility = causal.expand(batch, longest_chunk, longest_chunk)
     sees_new = visibility.gather(2, new_index[:, None, :].expand(batch, longest_chunk, -1))
     mask = committed[:, None, :] | (in_chunk[:, None, :] & sees_new)  # (B, Q, C)
 

@@ -14,6 +14,7 @@ from polylane.runtime.digests import model_digest
 from polylane.runtime.loader import LoadedWeights, load_weights, parse_dtype
 from polylane.runtime.model_config import ModelConfig
 from polylane.runtime.models.base import DecoderModel
+from polylane.runtime.quantize import QUANTISED_FORMATS, module_bytes, quantize_model
 from polylane.runtime.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -36,11 +37,19 @@ def load_model(
     """Resolve (fetching a catalogue model on first use), read weights and tokenizer.
 
     A GGUF file is dequantised once per dtype; with `convert_cache` the result is kept as
-    safetensors (`runtime.converted`) and later loads read that instead.
+    safetensors (`runtime.converted`) and later loads read that instead. dtype "int4" or "int8"
+    gives the quantised twin (`runtime.quantize`): the bf16 model with weight-only quantised
+    projections; its activations and KV are bf16.
     """
     source = catalog.resolve(name_or_path, quiet=quiet)
     started = time.perf_counter()
-    weights = _load_weights(source, parse_dtype(dtype), quiet, convert_cache)
+    quantised = dtype if isinstance(dtype, str) and dtype in QUANTISED_FORMATS else None
+    run_dtype = torch.bfloat16 if quantised else parse_dtype(dtype)
+    weights = _load_weights(source, run_dtype, quiet, convert_cache)
+    weight_bytes = weights.weight_bytes
+    if quantised:
+        quantize_model(weights.model, quantised)
+        weight_bytes = module_bytes(weights.model)
     tokenizer = load_tokenizer(source)
     loaded = LoadedModel(
         name=source.name,
@@ -48,8 +57,8 @@ def load_model(
         config=weights.config,
         module=weights.model,
         tokenizer=tokenizer,
-        dtype=parse_dtype(dtype),
-        weight_bytes=weights.weight_bytes,
+        dtype=run_dtype,
+        weight_bytes=weight_bytes,
         load_seconds=0.0,
     )
     # Per-layer digests for the cross-model prefill share: hashed once per file, then cached.

@@ -40,6 +40,7 @@ from polylane.policy.residency import (
 from polylane.runtime.loaded_model import LoadedModel, load_model
 from polylane.runtime.loader import LoadError, estimate_weight_bytes, parse_dtype
 from polylane.runtime.model_kv import ModelKV
+from polylane.runtime.quantize import QUANTISED_FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,8 @@ class ResidencyManager:
     ) -> None:
         """Declare a model (cold). Its size is estimated from the file header when the file is
         already on disk (nothing is fetched here), else when it is first loaded."""
-        parse_dtype(dtype)
+        if dtype not in QUANTISED_FORMATS:
+            parse_dtype(dtype)
         if kv_tokens < self.block_size:
             raise ResidencyError(f"model {name!r}: kv_tokens must be >= {self.block_size}, got {kv_tokens}")
         spec = ModelSpec(name, source or name, dtype, kv_tokens)
@@ -187,6 +189,14 @@ class ResidencyManager:
                     break
             # another thread started loading it meanwhile: wait for that load
         return self._load_and_lease(name, spec)
+
+    def try_acquire(self, name: str) -> ModelLease | None:
+        """A lease on `name` if it is resident now (a hit), else None; never loads or waits."""
+        with self._lock:
+            if name not in self._specs or self._pool.state(name).state != "resident":
+                return None
+            self._pool.begin_load(name)  # a hit: refreshes recency
+            return ModelLease(self, name, self._pool.acquire(name))  # type: ignore[arg-type]
 
     def _load_and_lease(self, name: str, spec: ModelSpec) -> ModelLease:
         try:
@@ -261,7 +271,7 @@ class ResidencyManager:
     def _estimate(self, spec: ModelSpec) -> int:
         try:
             source = catalog.resolve(spec.source, quiet=self.quiet)
-            weights = estimate_weight_bytes(source.path, source.format, spec.dtype)
+            weights = estimate_weight_bytes(source.path, source.format, _estimate_dtype(spec.dtype))
         except (LoadError, catalog.ModelNotFoundError, catalog.FetchError, OSError) as error:
             raise ModelLoadError(f"cannot load model {spec.name!r} from {spec.source}: {error}") from error
         return weights  # the KV reservation is added when the loaded model is measured
@@ -271,7 +281,7 @@ class ResidencyManager:
         """The header's weight bytes if the file is on disk already; 0 (unknown) otherwise."""
         try:
             source = catalog.resolve(spec.source, fetch_missing=False, quiet=True)
-            return estimate_weight_bytes(source.path, source.format, spec.dtype)
+            return estimate_weight_bytes(source.path, source.format, _estimate_dtype(spec.dtype))
         except Exception:  # not fetched yet, or unreadable: the load reports it properly
             return 0
 
@@ -280,9 +290,7 @@ class ResidencyManager:
         started = time.perf_counter()
         model = load_model(spec.source, spec.dtype, quiet=self.quiet)
         num_blocks = -(-spec.kv_tokens // self.block_size)
-        kv = ModelKV(
-            model, num_blocks=num_blocks, block_size=self.block_size, prefix_cache=self.prefix_cache
-        )
+        kv = ModelKV(model, num_blocks=num_blocks, block_size=self.block_size, prefix_cache=self.prefix_cache)
         seconds = time.perf_counter() - started
         measured = model.weight_bytes + kv.cache.nbytes
         rss_delta = psutil.Process().memory_info().rss - rss_before
@@ -322,6 +330,12 @@ class ResidencyManager:
             loads=state.loads,
             load_seconds=handle.load_seconds if handle is not None else None,
         )
+
+
+def _estimate_dtype(dtype: str) -> str:
+    """The dtype to estimate a model's bytes at: a quantised twin is built from (and at most as
+    large as) the bf16 model, so its estimate is the bf16 size (an upper bound)."""
+    return "bf16" if dtype in QUANTISED_FORMATS else dtype
 
 
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter

@@ -16,6 +16,7 @@ models' forwards in the step and the engine go on.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +28,8 @@ from polylane.runtime.layer_share import LayerShare
 from polylane.runtime.model_kv import Extend, KVSequence, ModelKV
 from polylane.runtime.residency import ModelLease
 from polylane.runtime.sampler import RequestSampler, sample_rows
+from polylane.runtime.spec_generate import split_rows
+from polylane.runtime.speculator import SpecRequest, Speculator
 from polylane.types import SamplingParams, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,7 @@ class RunningRequest:
     generated: list[int] = field(default_factory=list)
     kv: KVSequence | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (first open)
+    speculate: bool = True  # may speculate when its model has a speculator
 
     def prefill_tokens(self) -> tuple[int, ...]:
         """The tokens to prefill: the prompt, and after a preemption what was generated too."""
@@ -51,6 +55,7 @@ class RunningRequest:
 class _Work:
     request: RunningRequest
     extend: Extend
+    chunk: int | None = None  # prefill chunk size; None for a decode
 
 
 class Runner:
@@ -59,6 +64,9 @@ class Runner:
         self.sharing = sharing or LayerShare()  # cross-model prefill share (`runtime.layer_share`)
         self.leases: dict[str, ModelLease] = {}
         self.requests: dict[int, RunningRequest] = {}
+        # speculation: per target model, its speculator and the leases on its drafters' models
+        self.speculators: dict[str, Speculator] = {}
+        self.drafter_leases: dict[str, list[ModelLease]] = {}
 
     # ------------------------------------------------------------------ leases and requests
 
@@ -69,9 +77,29 @@ class Runner:
         self.leases[lease.name] = lease
         self.sharing.attach(lease.name, lease.kv)
 
+    def attach_speculator(
+        self, target: str, speculator: Speculator, drafter_leases: Sequence[ModelLease]
+    ) -> None:
+        """Speculate for `target` (leased here) with drafters over `drafter_leases`' models; the
+        leases are given back when the target is detached."""
+        self.detach_speculator(target)
+        self.speculators[target] = speculator
+        self.drafter_leases[target] = list(drafter_leases)
+
+    def add_drafter_lease(self, target: str, lease: ModelLease) -> None:
+        self.drafter_leases.setdefault(target, []).append(lease)
+
+    def detach_speculator(self, target: str) -> None:
+        speculator = self.speculators.pop(target, None)
+        if speculator is not None:
+            speculator.close()
+        for lease in self.drafter_leases.pop(target, []):
+            lease.release()
+
     def detach(self, name: str) -> None:
         if any(r.model == name and r.kv is not None for r in self.requests.values()):
             raise RuntimeError(f"model {name!r} still has KV in use; it cannot be released")
+        self.detach_speculator(name)
         lease = self.leases.pop(name, None)
         if lease is not None:
             lease.release()
@@ -84,12 +112,18 @@ class Runner:
 
     def add(self, request_id: int, model: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         self.requests[request_id] = RunningRequest(
-            request_id, model, tuple(prompt_ids), RequestSampler(params)
+            request_id,
+            model,
+            tuple(prompt_ids),
+            RequestSampler(params),
+            speculate=params.speculation is not False,
         )
 
     def finish(self, request_id: int, *, cache: bool) -> None:
         """Forget a request; its KV enters the prefix cache only with `cache` (completed requests)."""
         request = self.requests.pop(request_id, None)
+        if request is not None and (speculator := self.speculators.get(request.model)) is not None:
+            speculator.drop(request_id, cache=cache)
         if request is not None and request.kv is not None:
             self._kv(request.model).close(request.kv, cache=cache)
             request.kv = None
@@ -119,7 +153,7 @@ class Runner:
             if decoding:
                 self.monitor.enter(model)
             try:
-                self._run_model(model, items, result)
+                self._run_model(model, items, result, decoding)
             finally:
                 if decoding:
                     self.monitor.exit(model)
@@ -130,28 +164,51 @@ class Runner:
         return result
 
     def _run_model(
-        self, model: str, items: list[tuple[RunningRequest, int | None]], result: StepResult
+        self, model: str, items: list[tuple[RunningRequest, int | None]], result: StepResult, decoding: bool
     ) -> None:
         kv = self._kv(model)
         work = [self._extend(kv, request, chunk, result) for request, chunk in items]
+        speculator = self.speculators.get(model) if decoding else None
+        verify = self._prepare_speculation(speculator, work) if speculator is not None else {}
         while work:
             try:
+                started = time.perf_counter()
                 logits = kv.forward([w.extend for w in work])
+                seconds = time.perf_counter() - started
                 break
             except OutOfBlocksError:
+                if verify:  # drafts take more blocks than plain decode: drop them before anyone
+                    self._cancel_speculation(speculator, work, verify)  # type: ignore[arg-type]
+                    verify = {}
+                    continue
                 victim = max(work, key=lambda w: w.request.id)
                 work.remove(victim)
                 self._preempt(kv, victim.request, result)
             except Exception as error:  # a broken forward fails its own requests, nothing else
                 log.exception("forward of %s failed", model)
                 message = f"model {model!r} failed in a forward pass: {type(error).__name__}: {error}"
+                if verify:
+                    speculator.cancel(list(verify))  # type: ignore[union-attr]
                 for w in work:
                     result.failed[w.request.id] = message
                     self.finish(w.request.id, cache=False)
                 return
         else:
             return
-        sampled = [w for w in work if w.extend.logits != "none"]
+        if verify or speculator is not None:
+            rows = split_rows([w.extend for w in work], logits)
+            self._finish_speculation(kv, speculator, work, rows, verify, seconds, result)  # type: ignore[arg-type]
+            plain = [
+                (w, row)
+                for w, row in zip(work, rows, strict=True)
+                if w.extend.logits != "none"
+                and w.request.id not in verify
+                and w.request.id not in result.failed
+            ]
+            sampled = [w for w, _ in plain]
+            logits = torch.cat([row[-1:] for _, row in plain]) if plain else logits[:0]
+        else:
+            sampled = [w for w in work if w.extend.logits != "none"]
         tokens = self._sample(model, logits, sampled, result) if sampled else []
         for w, token in zip(sampled, tokens, strict=True):
             if token is None:
@@ -161,6 +218,77 @@ class Runner:
         for w in work:
             if w.request.id not in result.failed:
                 result.computed[w.request.id] = w.request.kv.num_tokens  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------------ speculation
+
+    def _prepare_speculation(self, speculator: Speculator, work: list[_Work]) -> dict[int, Extend]:
+        """Drafts for the decoding requests that may speculate; their verify extends replace
+        their decode extends in `work` (inside the target's lane slot: the caller entered it)."""
+        decoding = [w for w in work if w.chunk is None]
+        candidates = [w for w in decoding if w.request.speculate]
+        if not candidates:
+            return {}
+        context_limit = self._kv(candidates[0].request.model).model.config.max_context
+        requests = []
+        for w in candidates:
+            request = w.request
+            sequence = request.kv
+            assert sequence is not None
+            left = request.sampler.params.max_tokens - len(request.generated)
+            room = context_limit - sequence.num_tokens - 1
+            requests.append(
+                SpecRequest(
+                    request.id,
+                    sequence,
+                    [*sequence.token_ids, request.generated[-1]],
+                    request.sampler,
+                    max(0, min(left, room)),
+                )
+            )
+        verify = speculator.prepare(requests, batch_size=len(decoding))
+        for w in candidates:
+            if w.request.id in verify:
+                w.extend = verify[w.request.id]
+        return verify
+
+    def _cancel_speculation(
+        self, speculator: Speculator, work: list[_Work], verify: dict[int, Extend]
+    ) -> None:
+        speculator.cancel(list(verify))
+        for w in work:
+            if w.request.id in verify:
+                w.extend = Extend(w.request.kv, (w.request.generated[-1],))  # type: ignore[arg-type]
+
+    def _finish_speculation(
+        self,
+        kv: ModelKV,
+        speculator: Speculator,
+        work: list[_Work],
+        rows: list[torch.Tensor],
+        verify: dict[int, Extend],
+        seconds: float,
+        result: StepResult,
+    ) -> None:
+        """Accept each verified draft; its tokens go to `result` (the first in `tokens`, the rest
+        in `extra_tokens`). A decode-only forward's time feeds the controller's cost model."""
+        if all(w.chunk is None for w in work):
+            drafters = sorted({d for d in (speculator.round_drafter(i) for i in verify) if d})
+            speculator.record_forward(sum(len(w.extend.token_ids) for w in work), seconds, drafters)
+        for w, row in zip(work, rows, strict=True):
+            request = w.request
+            if request.id not in verify:
+                continue
+            try:
+                new = speculator.finish(kv, request.id, row)
+            except Exception as error:  # its own request fails, nothing else
+                log.exception("speculative acceptance failed for request %d", request.id)
+                result.failed[request.id] = f"speculation failed: {type(error).__name__}: {error}"
+                self.finish(request.id, cache=False)
+                continue
+            request.generated.extend(new)
+            result.tokens[request.id] = new[0]
+            if len(new) > 1:
+                result.extra_tokens[request.id] = tuple(new[1:])
 
     def _sample(
         self, model: str, logits: torch.Tensor, sampled: list[_Work], result: StepResult
@@ -183,7 +311,7 @@ class Runner:
     def _extend(self, kv: ModelKV, request: RunningRequest, chunk: int | None, result: StepResult) -> _Work:
         if chunk is None:  # decode: the last sampled token goes in, the next comes out
             assert request.kv is not None
-            return _Work(request, Extend(request.kv, (request.generated[-1],)))
+            return _Work(request, Extend(request.kv, (request.generated[-1],)))  # chunk None: decode
         target = request.prefill_tokens()
         if request.kv is None:
             request.kv = self.sharing.open(request.model, kv, target)
@@ -193,9 +321,11 @@ class Runner:
         done = request.kv.num_tokens
         end = min(len(target), done + chunk)
         logits = "last" if end == len(target) else "none"
-        return _Work(request, Extend(request.kv, target[done:end], logits=logits))
+        return _Work(request, Extend(request.kv, target[done:end], logits=logits), chunk)
 
     def _preempt(self, kv: ModelKV, request: RunningRequest, result: StepResult) -> None:
+        if (speculator := self.speculators.get(request.model)) is not None:
+            speculator.drop(request.id)
         if request.kv is not None:
             kv.close(request.kv, cache=True)
             request.kv = None

@@ -12,6 +12,7 @@ sandboxed Jinja2 environment.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -41,6 +42,16 @@ class Tokenizer:
         stop |= {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
         self.stop_token_ids: frozenset[int] = frozenset(stop)
         self.vocab_size = len(vocab)
+        self._digest: str | None = None
+
+    @property
+    def digest(self) -> str:
+        """sha256 of what decides how text becomes ids: the token list (token, id), the merges,
+        and the added/special tokens with their ids. Equal digests: interchangeable token ids
+        (the condition for one model to draft for another)."""
+        if self._digest is None:
+            self._digest = tokenizer_digest(self.backend)
+        return self._digest
 
     @property
     def has_chat_template(self) -> bool:
@@ -64,6 +75,22 @@ class Tokenizer:
             raise ChatTemplateError(f"the model's chat template failed: {error}") from None
         # The template writes any BOS itself.
         return self.encode(text, add_special_tokens=False)
+
+
+def tokenizer_digest(backend: Any) -> str:
+    """See `Tokenizer.digest`."""
+    hasher = hashlib.sha256()
+    state = json.loads(backend.backend_tokenizer.to_str())
+    model = state.get("model", {})
+    vocab = model.get("vocab", {})
+    items = sorted(vocab.items(), key=lambda item: item[1]) if isinstance(vocab, dict) else vocab
+    hasher.update(json.dumps([model.get("type"), items], ensure_ascii=False).encode())
+    hasher.update(json.dumps(model.get("merges", []), ensure_ascii=False).encode())
+    added = sorted((t["id"], t["content"], bool(t.get("special"))) for t in state.get("added_tokens", []))
+    hasher.update(json.dumps(added, ensure_ascii=False).encode())
+    special = {name: getattr(backend, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")}
+    hasher.update(json.dumps(special, sort_keys=True).encode())
+    return hasher.hexdigest()
 
 
 def _cache_key(path: Path) -> str:

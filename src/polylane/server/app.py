@@ -135,7 +135,12 @@ def build_state(config: ServerConfig, *, quiet: bool = False) -> ServerState:
     try:
         for model in config.models:
             engine.add_model(
-                model.name, model.source, dtype=model.dtype, pinned=model.pinned, kv_tokens=model.kv_tokens
+                model.name,
+                model.source,
+                dtype=model.dtype,
+                pinned=model.pinned,
+                kv_tokens=model.kv_tokens,
+                speculation=model.speculation,
             )
             aliases.update({alias: model.name for alias in model.aliases})
     except BaseException:

@@ -12,6 +12,7 @@ A config file declares models and limits:
     pinned = true
     aliases = ["default"]
     kv_tokens = 4096
+    speculation = { drafters = ["ngram"] }   # optional: speculative decoding (see below)
 
     [[models]]
     name = "smollm2-top"               # a sibling: smollm2 with its top 15 layers changed,
@@ -20,6 +21,12 @@ A config file declares models and limits:
     seed = 1                           # them prefilled is reused by the other (layer share)
     # finetune = "notes.txt"           # instead of seed: fine-tune the top layers on this text
     # steps = 20                       # fine-tune steps (learning_rate = 1e-4, scale = 0.05)
+
+`speculation` (per model) turns speculative decoding on for its requests: true (defaults: every
+resident same-tokenizer smaller model and n-gram lookup), a list of drafters ("ngram", "twin" or
+"twin:int8" for the model's quantised twin, or a served model's name), or a table with any of
+`SpeculationConfig`'s fields (drafters, mode = "auto" | "chain" | "tree", shape = "chain:4" |
+"topk:3,2,1" | "beam:2x4" | "dynamic:6,4,16", max_draft_tokens, max_tree_nodes, adaptive, …).
 
 Model names (and aliases) are looked up in this registry; a name a client sends is never used as
 a path. "auto" budgets half of the memory available at start.
@@ -37,6 +44,7 @@ from typing import Any
 import psutil
 
 from polylane import catalog
+from polylane.policy.spec_control import SpeculationConfig
 from polylane.runtime.residency import DEFAULT_KV_TOKENS
 from polylane.runtime.siblings import SiblingError, SiblingSpec, ensure_sibling, sibling_path
 
@@ -55,6 +63,7 @@ class ModelDecl:
     pinned: bool = False
     aliases: tuple[str, ...] = ()
     kv_tokens: int = DEFAULT_KV_TOKENS
+    speculation: SpeculationConfig | None = None
     sibling_of: str | None = None  # `source` is then a sibling of this model, written if missing
     sibling: SiblingSpec | None = None
 
@@ -121,7 +130,16 @@ def models_from_file(data: dict[str, Any], path: str | Path) -> list[ModelDecl]:
         where = f"{path}: models[{index}]"
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
             raise ConfigError(f"{where}: needs a name")
-        unknown = set(entry) - {"name", "source", "dtype", "pinned", "aliases", "kv_tokens", *_SIBLING_KEYS}
+        unknown = set(entry) - {
+            "name",
+            "source",
+            "dtype",
+            "pinned",
+            "aliases",
+            "kv_tokens",
+            "speculation",
+            *_SIBLING_KEYS,
+        }
         if unknown:
             raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
         aliases = entry.get("aliases", [])
@@ -144,6 +162,7 @@ def models_from_file(data: dict[str, Any], path: str | Path) -> list[ModelDecl]:
                 pinned=bool(entry.get("pinned", False)),
                 aliases=tuple(aliases),
                 kv_tokens=int(entry.get("kv_tokens", DEFAULT_KV_TOKENS)),
+                speculation=_speculation(entry.get("speculation"), where),
                 sibling_of=sibling_of,
                 sibling=sibling,
             )
@@ -190,6 +209,13 @@ def ensure_siblings(models: list[ModelDecl], *, quiet: bool = False) -> None:
                 ensure_sibling(model.sibling_of, model.sibling, model.source, quiet=quiet)
             except (ValueError, OSError, RuntimeError) as error:  # bad spec, unknown source, load error
                 raise ConfigError(f"model {model.name!r}: cannot write its sibling: {error}") from None
+
+
+def _speculation(value: Any, where: str) -> SpeculationConfig | None:
+    try:
+        return SpeculationConfig.parse(value)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{where}: speculation: {error}") from None
 
 
 def check_names(models: list[ModelDecl]) -> None:

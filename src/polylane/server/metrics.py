@@ -3,7 +3,8 @@
 What this module owns: the server's histograms (TTFT and TPOT per model, observed as requests
 finish) and a collector that reads the engine at scrape time: per-model residency state and
 bytes, lane share and decode steps, requests by finish reason, generated tokens, evictions by
-cause, prefix-cache hits, the observed most models decoding at once, and the admission queue.
+cause, prefix-cache hits, the observed most models decoding at once, speculation per (target,
+drafter) pair, and the admission queue.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 if TYPE_CHECKING:
     from polylane.engine import Completion, Engine
+    from polylane.engine_stats import EngineStats
     from polylane.server.admission import Admission
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -112,6 +114,7 @@ class _EngineCollector:
         yield GaugeMetricFamily(
             "polylane_decode_batch_mean", "mean requests per decode step", value=stats.decode_tokens_per_step
         )
+        yield from _speculation_metrics(stats)
         yield GaugeMetricFamily(
             "polylane_queue_requests", "unfinished requests admitted", value=self.admission.requests
         )
@@ -124,6 +127,61 @@ class _EngineCollector:
         yield GaugeMetricFamily(
             "polylane_engine_alive", "1 while the engine loop runs", value=1.0 if self.engine.alive else 0.0
         )
+
+
+def _speculation_metrics(stats: EngineStats) -> Iterator[Metric]:
+    """Per (target, drafter) pair: rounds, tokens, acceptance, tokens per verify, draft cost share,
+    on/off decisions; and the most drafters seen inside a decode slot at once."""
+    labels = ["target", "drafter"]
+    rounds = CounterMetricFamily(
+        "polylane_spec_rounds", "speculative rounds (verify passes), by shape", labels=[*labels, "shape"]
+    )
+    drafted = CounterMetricFamily("polylane_spec_drafted_tokens", "draft tokens proposed", labels=labels)
+    verify_steps = CounterMetricFamily(
+        "polylane_spec_verify_steps", "target verify passes that carried a draft", labels=labels
+    )
+    accepted = CounterMetricFamily("polylane_spec_accepted_tokens", "draft tokens accepted", labels=labels)
+    emitted = CounterMetricFamily(
+        "polylane_spec_emitted_tokens", "tokens produced by speculative rounds", labels=labels
+    )
+    rate = GaugeMetricFamily(
+        "polylane_spec_acceptance_rate", "accepted over proposed draft tokens", labels=labels
+    )
+    per_verify = GaugeMetricFamily(
+        "polylane_spec_tokens_per_verify", "tokens produced per target verify pass", labels=labels
+    )
+    share = GaugeMetricFamily(
+        "polylane_spec_draft_cost_share", "drafting seconds over drafting + verify seconds", labels=labels
+    )
+    seconds = CounterMetricFamily(
+        "polylane_spec_seconds", "seconds spent drafting and verifying", labels=[*labels, "phase"]
+    )
+    decisions = CounterMetricFamily(
+        "polylane_spec_decisions",
+        "controller decisions per request and round: on (speculate) or off (plain decode)",
+        labels=[*labels, "decision"],
+    )
+    for pair in stats.speculation:
+        key = [pair.target, pair.drafter]
+        rounds.add_metric([*key, "chain"], pair.chain_rounds)
+        rounds.add_metric([*key, "tree"], pair.tree_rounds)
+        drafted.add_metric(key, pair.draft_tokens)
+        verify_steps.add_metric(key, pair.rounds)
+        accepted.add_metric(key, pair.accepted_tokens)
+        emitted.add_metric(key, pair.emitted_tokens)
+        rate.add_metric(key, pair.acceptance_rate)
+        per_verify.add_metric(key, pair.tokens_per_verify)
+        share.add_metric(key, pair.draft_cost_share)
+        seconds.add_metric([*key, "draft"], pair.draft_seconds)
+        seconds.add_metric([*key, "verify"], pair.verify_seconds)
+        decisions.add_metric([*key, "on"], pair.decisions_on)
+        decisions.add_metric([*key, "off"], pair.decisions_off)
+    yield from (rounds, verify_steps, drafted, accepted, emitted, rate, per_verify, share, seconds, decisions)
+    yield GaugeMetricFamily(
+        "polylane_max_concurrent_drafters",
+        "most drafters ever observed inside a decode slot at once (each inside its target's slot)",
+        value=stats.max_concurrent_drafters,
+    )
 
 
 class ServerMetrics:

@@ -69,6 +69,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     priority: Annotated[int, Field(ge=-100, le=100)] = 0
     user: Annotated[str, Field(max_length=256)] | None = None
+    speculation: bool | None = None  # polylane: False turns speculative decoding off for this request
     # Defined by OpenAI, not implemented here: a request that sets them is refused, not ignored.
     logprobs: Any = None
     top_logprobs: Any = None
@@ -119,6 +120,7 @@ class _Sampling(BaseModel):
             max_tokens=max_tokens,
             stop=tuple(self.stop or ()),
             ignore_eos=self.ignore_eos,
+            speculation=self.speculation,
         )
 
     @property

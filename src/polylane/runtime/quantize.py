@@ -1,0 +1,116 @@
+"""Weight-only quantised twins: a model's projections re-stored as int4 or int8 for drafting.
+
+What this module owns: turning a loaded bf16 `DecoderModel` into its quantised twin in place.
+Every `Projection` (fused QKV, attention output, fused gate/up, down, and the output projection,
+which a tied-embedding model gets as a separate quantised copy of its embedding matrix) is
+replaced by a `QuantizedProjection` running torch's weight-only kernels with bf16 activations
+(PERF.md: the activation dtype decides whether the fast kernel runs):
+
+- int4: `aten._weight_int4pack_mm_for_cpu`, asymmetric, one scale and zero per group of 32 input
+  columns: w ≈ (q − 8)·scale + zero with q in [0, 15].
+- int8: `aten._weight_int8pack_mm`, symmetric, one scale per output row: w ≈ q·scale.
+
+Norms, embeddings (lookup) and attention stay bf16. The twin is a drafter, so its numbers only
+need to agree with the target's often; the target's verify keeps the output exact.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from polylane.runtime.layers import Projection
+from polylane.runtime.models.base import DecoderModel
+
+QUANTISED_FORMATS = {"int4": 4, "int8": 8}
+INT4_GROUP = 32
+
+
+class QuantizedProjection(nn.Module):
+    """y = x Wᵀ + b with W stored int4 (grouped) or int8 (per row); x is cast to bf16."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, bits: int) -> None:
+        super().__init__()
+        if bits not in (4, 8):
+            raise ValueError(f"only int4 and int8 weights are supported, got {bits} bits")
+        weight = weight.detach().float()  # (N, K)
+        out_features, in_features = weight.shape
+        self.bits = bits
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
+        )
+        if bits == 8:
+            scale = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # (N,)
+            q = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+            self.register_buffer("qweight", q)
+            self.register_buffer("scales", scale.to(torch.bfloat16))
+            return
+        if in_features % INT4_GROUP or out_features % 16:
+            raise ValueError(
+                f"int4 needs input features divisible by {INT4_GROUP} and output features by 16, "
+                f"got {in_features} and {out_features}"
+            )
+        groups = weight.view(out_features, in_features // INT4_GROUP, INT4_GROUP)
+        low = groups.amin(dim=-1, keepdim=True)
+        high = groups.amax(dim=-1, keepdim=True)
+        scale = (high - low).clamp(min=1e-8) / 15.0
+        q = ((groups - low) / scale).round().clamp(0, 15).to(torch.int32).view(out_features, in_features)
+        zero = low + 8 * scale
+        # (K / group, N, 2): scale and zero per group and output row
+        scales_and_zeros = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1).transpose(0, 1)
+        self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        self.register_buffer("scales", scales_and_zeros.contiguous().to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x16 = x.to(torch.bfloat16)
+        if self.bits == 8:
+            y = torch.ops.aten._weight_int8pack_mm(x16, self.qweight, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x16, self.qweight, INT4_GROUP, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight (N, K) float32 this projection multiplies by (for tests)."""
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        bias, self.bias = self.bias, None
+        try:
+            return self.forward(eye).float().t()
+        finally:
+            self.bias = bias
+
+
+def quantize_model(model: DecoderModel, fmt: str) -> DecoderModel:
+    """Replace every projection of a bf16 model by its `fmt` ("int4" | "int8") twin, in place."""
+    if fmt not in QUANTISED_FORMATS:
+        raise ValueError(f"unknown quantised format {fmt!r} (choose from {', '.join(QUANTISED_FORMATS)})")
+    bits = QUANTISED_FORMATS[fmt]
+    if model.weight_dtype != torch.bfloat16:
+        raise ValueError("a quantised twin is built from the bf16 model (bf16 activations)")
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, Projection):
+                weight = child.weight.t() if child.input_major else child.weight
+                setattr(module, child_name, _quantized(weight, child.bias, bits))
+    if model.lm_head is None and model.embed_tokens is not None:
+        # tied embeddings: the lookup keeps the bf16 table; the output projection gets its own copy
+        model.lm_head = _quantized(model.embed_tokens.weight, None, bits)  # type: ignore[assignment]
+    return model
+
+
+def _quantized(weight: torch.Tensor, bias: torch.Tensor | None, bits: int) -> QuantizedProjection:
+    """int4 where the shape allows it, else int8 (int4 packs 16 output rows and 32-column groups)."""
+    out_features, in_features = weight.shape
+    if bits == 4 and (in_features % INT4_GROUP or out_features % 16):
+        bits = 8
+    return QuantizedProjection(weight, bias, bits)
+
+
+def module_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer (packed weights and scales included)."""
+    return sum(t.nbytes for t in model.parameters()) + sum(t.nbytes for t in model.buffers())
+
+
+__all__ = ["QUANTISED_FORMATS", "QuantizedProjection", "module_bytes", "quantize_model"]

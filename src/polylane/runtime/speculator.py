@@ -1,0 +1,207 @@
+"""Speculative decoding for one target model's decode batch: decide, draft, verify, commit.
+
+What this module owns: the round of every speculating request of one target model, between the
+controller (`policy.spec_control`, which decides), the drafters (`runtime.drafters`, which
+propose) and the target's one verify forward (`runtime.spec_verify`). A round, inside the
+target's decode-lane slot:
+
+1. `prepare(requests, batch_size)`: the controller picks, per request, a drafter and a shape, or
+   nothing (plain decode). Each drafter drafts for all of its requests at once (one forward per
+   depth); the result is one verify `Extend` per speculating request, which the caller puts in
+   the same target forward as everything else of the step (prefill chunks, plain decode tokens).
+2. `finish(kv, request, rows)`: the acceptance rule over the request's logits rows; the accepted
+   path is kept in the target's KV (rollback or compaction), the drafter settles on the committed
+   tokens (its rejected KV rolled back), statistics go to the controller. Returns the round's
+   tokens (accepted + recovered or bonus), at least one.
+3. `cancel(requests)`: the forward did not run (e.g. the KV pool was full): the drafts are
+   dropped, the drafters go back to where they were, the caller decodes plainly.
+4. `drop(request)`: the request is done: its drafter state is let go.
+
+It holds no lease: the engine gives it drafters over leased models and takes them back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from polylane.policy.lane import LaneMonitor
+from polylane.policy.spec_accept import Acceptance
+from polylane.policy.spec_control import (
+    DrafterInfo,
+    PairStats,
+    SpecController,
+    SpecDecision,
+    SpeculationConfig,
+)
+from polylane.runtime.drafters import Drafter, DraftJob
+from polylane.runtime.model_kv import Extend, KVSequence, ModelKV
+from polylane.runtime.sampler import RequestSampler
+from polylane.runtime.spec_verify import accept_rows, commit, verify_extend
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecRequest:
+    """What a round needs to know about one decoding request.
+
+    context: every token so far (prompt and generated); the last has no target KV yet.
+    max_new: tokens the request may still produce (max_tokens left, and room in the context).
+    """
+
+    id: int
+    sequence: KVSequence
+    context: Sequence[int]
+    sampler: RequestSampler
+    max_new: int
+
+
+@dataclass
+class _Round:
+    request: SpecRequest
+    drafter: Drafter
+    decision: SpecDecision
+    job: DraftJob
+    base: int
+    extend: Extend
+
+
+class Speculator:
+    def __init__(
+        self,
+        target: str,
+        config: SpeculationConfig,
+        monitor: LaneMonitor | None = None,
+        pairs: dict[str, PairStats] | None = None,
+    ) -> None:
+        """`pairs`: statistics to continue (kept by the engine across reloads of the target)."""
+        self.target = target
+        self.config = config
+        self.monitor = monitor or LaneMonitor()
+        self.controller = SpecController(target, config, pairs)
+        self.drafters: dict[str, Drafter] = {}
+        self._rounds: dict[int, _Round] = {}
+
+    # ------------------------------------------------------------------ drafters
+
+    def add_drafter(self, drafter: Drafter, relative_cost: float) -> None:
+        """Use `drafter` (its cost prior: seconds per drafter forward over a target decode step)."""
+        self.drafters[drafter.name] = drafter
+        self.controller.add_drafter(DrafterInfo(drafter.name, drafter.kind, relative_cost))
+
+    def remove_drafter(self, name: str) -> Drafter | None:
+        """Stop using a drafter (its model is going away); its per-request state is let go."""
+        drafter = self.drafters.pop(name, None)
+        if drafter is not None:
+            for request_id in [i for i, r in self._rounds.items() if r.drafter is drafter]:
+                del self._rounds[request_id]
+            drafter.drop_all()
+        return drafter
+
+    def close(self) -> None:
+        for name in list(self.drafters):
+            self.remove_drafter(name)
+
+    @property
+    def stats(self) -> dict[str, PairStats]:
+        return self.controller.pairs
+
+    # ------------------------------------------------------------------ a round
+
+    def prepare(self, requests: Sequence[SpecRequest], batch_size: int) -> dict[int, Extend]:
+        """Decide and draft; the verify extend of every request that speculates this round."""
+        if not self.drafters:
+            return {}
+        chosen: dict[str, list[tuple[SpecRequest, SpecDecision]]] = {}
+        for request in requests:
+            limit = request.max_new - 1  # the target adds one token of its own
+            decision = self.controller.decide(request.id, self.drafters, batch_size, limit)
+            if decision is not None:
+                chosen.setdefault(decision.drafter, []).append((request, decision))
+        extends: dict[int, Extend] = {}
+        for name, items in chosen.items():
+            drafter = self.drafters[name]
+            jobs = [DraftJob(r.id, r.context, d.shape, r.sampler) for r, d in items]
+            started = time.perf_counter()
+            try:
+                forwards = drafter.draft(jobs)
+            except Exception:  # a drafter failure costs this round's speculation, nothing else
+                log.exception("drafter %s failed for %s; decoding plainly this round", name, self.target)
+                for request, _ in items:
+                    drafter.settle(request.id, request.context)
+                continue
+            self.controller.record_draft_cost(name, time.perf_counter() - started, forwards)
+            for (request, decision), job in zip(items, jobs, strict=True):
+                base = request.sequence.num_tokens
+                extend = verify_extend(request.sequence, request.context[-1], job.tree)
+                self._rounds[request.id] = _Round(request, drafter, decision, job, base, extend)
+                extends[request.id] = extend
+        return extends
+
+    def finish(
+        self, kv: ModelKV, request_id: int, rows: torch.Tensor, greedy_choices: list[int] | None = None
+    ) -> list[int]:
+        """After the verify forward: accept, commit the KV, settle the drafter; the new tokens."""
+        round_ = self._rounds.pop(request_id)
+        request, job = round_.request, round_.job
+        acceptance = accept_rows(rows, job.tree, request.sampler, job.draft_probs, greedy_choices)
+        commit(kv, request.sequence, round_.base, job.tree, acceptance)
+        round_.drafter.settle(request_id, request.sequence.token_ids)
+        self.controller.record_round(
+            request_id,
+            round_.decision.drafter,
+            round_.decision.shape,
+            len(job.tree),
+            acceptance.num_accepted,
+            _rank_events(job, acceptance),
+            job.tree.is_chain,
+        )
+        return list(acceptance.tokens)
+
+    def round_drafter(self, request_id: int) -> str | None:
+        """The drafter of the request's pending round (None: not speculating this round)."""
+        round_ = self._rounds.get(request_id)
+        return round_.decision.drafter if round_ is not None else None
+
+    def cancel(self, request_ids: Sequence[int]) -> None:
+        """The verify forward did not run: drop these drafts (the target KV was not touched)."""
+        for request_id in request_ids:
+            round_ = self._rounds.pop(request_id, None)
+            if round_ is not None:
+                round_.drafter.settle(request_id, round_.request.context)
+
+    def drop(self, request_id: int, *, cache: bool = False) -> None:
+        """The request is done (finished, aborted, preempted): let go of its drafter state."""
+        self._rounds.pop(request_id, None)
+        for drafter in self.drafters.values():
+            drafter.drop(request_id, cache=cache)
+        self.controller.forget(request_id)
+
+    def record_forward(self, tokens: int, seconds: float, drafters: Sequence[str] = ()) -> None:
+        """A target forward of the decode batch (no prefill in it): `tokens` rows computed."""
+        self.controller.record_target_forward(tokens, seconds, drafters)
+
+
+def _rank_events(job: DraftJob, acceptance: Acceptance) -> list[tuple[int, int | None]]:
+    """(depth of the children, rank of the target's token among the drafter's candidates) at
+    every node of the walk that the drafter expanded; an empty draft is a miss at depth 1."""
+    if not len(job.tree):
+        return [(1, None)]
+    events = []
+    for index, node in enumerate((-1, *acceptance.path)):
+        candidates = job.candidates.get(node)
+        if candidates is None:
+            continue
+        produced = acceptance.tokens[index]
+        rank = candidates.index(produced) if produced in candidates else None
+        depth = (job.tree.depths[node] if node >= 0 else 0) + 1
+        events.append((depth, rank))
+    return events
+
+
+__all__ = ["SpecRequest", "Speculator"]
