@@ -15,6 +15,7 @@ from polylane.bench.metrics import (
     engine_summary,
     median_summary,
     merge_counters,
+    paired_ratios,
     percentile,
     rate,
     ratio,
@@ -208,3 +209,20 @@ def test_harness_side_never_imports_torch(module: str) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "", f"importing {module} imported torch: {done.stdout[:200]}"
+
+
+def test_paired_ratios_take_the_median_of_per_repeat_ratios() -> None:
+    # Drift: the machine halves its speed in repeat 2, for both systems alike.
+    ours = [
+        {"throughput_tokens_per_s": 20.0},
+        {"throughput_tokens_per_s": 10.0},
+        {"throughput_tokens_per_s": 18.0},
+    ]
+    theirs = [
+        {"throughput_tokens_per_s": 10.0},
+        {"throughput_tokens_per_s": 5.0},
+        {"throughput_tokens_per_s": 12.0},
+    ]
+    paired = paired_ratios(ours, theirs)
+    assert paired["throughput_tokens_per_s"] == pytest.approx(2.0)  # median of 2.0, 2.0, 1.5
+    assert paired["ttft_p50_s"] is None

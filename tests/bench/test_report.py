@@ -98,3 +98,12 @@ def test_report_writes_json_markdown_plots_and_a_json_last_line(results: dict, t
     document = json.loads(line)
     assert document["workload"] == "mix"
     assert document["ratios"]["plain"]["mix"]["throughput_tokens_per_s"] > 1
+
+
+def test_rebuild_recomputes_medians_and_ratios_from_the_runs(results: dict) -> None:
+    stale = json.loads(json.dumps(results))
+    for system in stale["systems"].values():
+        system["summary"] = {}
+        system.pop("paired_ratio")
+    stale["speculation"] = {}
+    assert harness.rebuild(stale) == json.loads(json.dumps(results))

@@ -9,10 +9,12 @@ goes to stderr.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 from polylane import catalog
 from polylane.bench.systems import BASELINES, DEFAULT_BASELINES
@@ -78,6 +80,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--drafter", help="transformers-assisted: the assistant model (default: prompt lookup)"
     )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument(
+        "--rebuild",
+        action="store_true",
+        help="measure nothing: recompute the medians and ratios of OUT/results.json and rewrite the report",
+    )
     bench.set_defaults(run=run, _bench_parser=bench)
 
 
@@ -85,7 +92,12 @@ def command_line(args: argparse.Namespace) -> str:
     """The command that reproduces this run: the workload and every option not at its default."""
     words = ["polylane", "bench", args.workload]
     for action in args._bench_parser._actions:
-        if not action.option_strings or action.dest in ("help", "api_key", "no_progress"):  # never a secret
+        if not action.option_strings or action.dest in (
+            "help",
+            "api_key",
+            "no_progress",
+            "rebuild",
+        ):  # never a secret
             continue
         value = getattr(args, action.dest, None)
         if value is None or value == action.default or value is False:
@@ -108,11 +120,15 @@ def _models(specs: list[str]) -> tuple[tuple[str, str], ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from polylane.bench import harness, report
+    from polylane.bench import harness
     from polylane.bench.systems import SystemSettings
     from polylane.bench.workloads import WorkloadOptions
     from polylane.server.config import parse_size
 
+    out = Path(args.out or Path("bench") / "out" / args.workload)
+    if args.rebuild:
+        results = harness.rebuild(json.loads((out / "results.json").read_text()))
+        return _write(results, out)
     models = _models(args.models or list(DEFAULT_MODELS[args.workload]))
     baselines = tuple(args.baseline or DEFAULT_BASELINES[args.workload])
     if "none" in baselines:
@@ -149,8 +165,12 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         command=command_line(args),
     )
-    out = Path(args.out or Path("bench") / "out" / args.workload)
-    results = harness.run(config)
+    return _write(harness.run(config), out)
+
+
+def _write(results: dict[str, Any], out: Path) -> int:
+    from polylane.bench import report
+
     paths = report.write(results, out)
     print(paths["markdown"].read_text())
     print(f"wrote {', '.join(str(p) for p in paths.values())}", file=sys.stderr)

@@ -108,20 +108,9 @@ def assemble(
 ) -> dict[str, Any]:
     """The results document from every run's phase summaries."""
     phase_names = [p.name for p in workload.phases]
-    summary = {
-        name: {
-            phase: metrics.median_summary([r["phases"][phase] for r in system_runs]) for phase in phase_names
-        }
-        for name, system_runs in runs.items()
-    }
+    summary, ratio, paired = summaries(runs, phase_names)
     out_systems: dict[str, Any] = {}
     for name, system_runs in runs.items():
-        ratio = None
-        if name != "polylane":
-            ratio = {
-                phase: metrics.ratios(summary["polylane"][phase], summary[name][phase])
-                for phase in phase_names
-            }
         out_systems[name] = {
             "role": "system" if name == "polylane" else "baseline",
             "description": SYSTEMS[name]
@@ -130,7 +119,8 @@ def assemble(
             "transport": systems[name].transport,
             "runs": system_runs,
             "summary": summary[name],
-            "ratio": ratio,
+            "ratio": ratio[name],
+            "paired_ratio": paired[name],
         }
     options = workload.options
     return {
@@ -167,6 +157,46 @@ def assemble(
         "speculation": speculation(summary, phase_names),
         "timelines": timelines,
     }
+
+
+def summaries(
+    runs: dict[str, list[dict[str, Any]]], phase_names: Sequence[str]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Per system: the median summary of each phase, and (baselines only, else None) polylane's
+    ratios to it of the medians and paired by repeat."""
+    summary = {
+        name: {
+            phase: metrics.median_summary([r["phases"][phase] for r in system_runs]) for phase in phase_names
+        }
+        for name, system_runs in runs.items()
+    }
+    ratio: dict[str, Any] = {name: None for name in runs}
+    paired: dict[str, Any] = {name: None for name in runs}
+    for name, system_runs in runs.items():
+        if name == "polylane":
+            continue
+        ratio[name] = {
+            phase: metrics.ratios(summary["polylane"][phase], summary[name][phase]) for phase in phase_names
+        }
+        paired[name] = {
+            phase: metrics.paired_ratios(
+                [r["phases"][phase] for r in runs["polylane"]], [r["phases"][phase] for r in system_runs]
+            )
+            for phase in phase_names
+        }
+    return summary, ratio, paired
+
+
+def rebuild(results: dict[str, Any]) -> dict[str, Any]:
+    """A results document with its medians, ratios and speculation block computed again from its
+    runs (after the summary code changed; nothing is measured)."""
+    phase_names = [p["name"] for p in results["phases"]]
+    runs = {name: system["runs"] for name, system in results["systems"].items()}
+    summary, ratio, paired = summaries(runs, phase_names)
+    for name, system in results["systems"].items():
+        system.update(summary=summary[name], ratio=ratio[name], paired_ratio=paired[name])
+    results["speculation"] = speculation(summary, phase_names)
+    return results
 
 
 def speculation(summary: dict[str, Any], phases: Sequence[str]) -> dict[str, Any]:

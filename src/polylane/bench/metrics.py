@@ -59,8 +59,10 @@ shared machine hits every system alike.
 
 Ratios (`ratios`): for each baseline and phase, how many times better polylane is; above 1
 polylane is better. For rates (tokens/s, requests/s) polylane ÷ baseline; for latencies (ttft,
-tpot) baseline ÷ polylane. In the `spec` workload the ratio of stream_decode_tokens_per_s to the
-`plain` baseline is the wall-clock speedup of speculation.
+tpot) baseline ÷ polylane; computed on the medians over repeats. Paired ratios
+(`paired_ratios`): the same ratio within each repeat (polylane's run against the baseline's run
+of that repeat), then the median over repeats. In the `spec` workload the ratio of
+stream_decode_tokens_per_s to the `plain` baseline is the wall-clock speedup of speculation.
 """
 
 from __future__ import annotations
@@ -411,3 +413,17 @@ def median_summary(runs: Sequence[Any]) -> Any:
 def ratios(ours: Mapping[str, Any], baseline: Mapping[str, Any]) -> dict[str, float | None]:
     """For one phase: each `RATIO_METRICS` key → how many times better `ours` is (> 1: better)."""
     return {key: ratio(ours.get(key), baseline.get(key), better) for key, better in RATIO_METRICS}
+
+
+def paired_ratios(
+    ours: Sequence[Mapping[str, Any]], theirs: Sequence[Mapping[str, Any]]
+) -> dict[str, float | None]:
+    """For one phase, repeat by repeat: the ratio of polylane's run to the baseline's run of the
+    same repeat, then the median over repeats (missing values left out). The two runs of a repeat
+    are adjacent in time, so this cancels slow drift of the machine better than a ratio of medians."""
+    out: dict[str, float | None] = {}
+    for key, better in RATIO_METRICS:
+        values = [ratio(o.get(key), t.get(key), better) for o, t in zip(ours, theirs, strict=True)]
+        present = [v for v in values if v is not None]
+        out[key] = statistics.median(present) if present else None
+    return out

@@ -97,7 +97,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"torch {versions.get('torch')}, transformers {versions.get('transformers')}; "
         f"load average {_loads(env)}{_commit(env)}. "
         "Ratios: how many times better polylane is (> 1: polylane better; rates ours ÷ theirs, latencies "
-        "theirs ÷ ours).",
+        "theirs ÷ ours), of the medians; paired: the median over repeats of each repeat's ratio.",
     ]
     for phase in results["phases"]:
         name, primary = phase["name"], phase["primary_metric"]
@@ -175,7 +175,11 @@ def markdown(results: dict[str, Any]) -> str:
                 "|---|" + "---:|" * len(keys),
             ]
             for baseline, ratio in baselines:
+                paired = systems[baseline]["paired_ratio"][name]
                 lines.append(f"| {baseline} | " + " | ".join(_ratio(ratio.get(k)) for k in keys) + " |")
+                lines.append(
+                    f"| {baseline}, paired | " + " | ".join(_ratio(paired.get(k)) for k in keys) + " |"
+                )
     if results["workload"] == "spec":
         lines += [
             "",
@@ -318,6 +322,11 @@ def plot_latency(results: dict[str, Any], path: Path) -> None:
         ):
             axis = axes[row][column]
             names = list(systems)
+            if all(systems[n]["summary"][phase["name"]][p50] is None for n in names):
+                axis.text(0.5, 0.5, "not measured", ha="center", va="center", transform=axis.transAxes)
+                axis.set_title(f"{phase['name']}: {title}", fontsize=9)
+                axis.set_axis_off()
+                continue
             medians = [1000 * (systems[n]["summary"][phase["name"]][p50] or 0.0) for n in names]
             tails = [1000 * (systems[n]["summary"][phase["name"]][p99] or 0.0) for n in names]
             axis.bar(
