@@ -26,7 +26,8 @@ class SamplingParams:
     ignore_eos: keep generating past the model's end-of-sequence tokens (for benchmarks).
     speculation: None follows the model's setting (speculative decoding when it was added with
         one); False never speculates for this request. Output (greedy tokens, or the sampled
-        distribution) is the same either way.
+        distribution) is the same either way. A sampled request with a seed decodes plainly, so
+        that its seed reproduces its tokens.
     """
 
     temperature: float = 0.0

@@ -37,11 +37,12 @@ def test_engine_speculation_is_lossless_and_reported(load_real_model):
     with Engine(EngineConfig(budget_bytes=2 * 2**30)) as engine:
         engine.add_model(SMOL, kv_tokens=1024, speculation=speculation)
         handles = [engine.submit(SMOL, p, params=params) for p in prompts]
-        opted_out = engine.submit(
-            SMOL, prompts[0], params=SamplingParams(max_tokens=MAX_TOKENS, speculation=False)
-        )
+        opted_out = engine.submit(SMOL, prompts[0], params=SamplingParams(max_tokens=8, speculation=False))
+        sampled = engine.submit(SMOL, prompts[1], params=SamplingParams(max_tokens=8, temperature=0.8))
         outputs = [h.result(timeout=600).token_ids for h in handles]
         assert opted_out.result(timeout=600).token_ids == reference[0][:8]
+        sampled_result = sampled.result(timeout=600)  # rejection sampling in the engine
+        assert sampled_result.finish_reason in ("stop", "length") and sampled_result.error is None
         for i, (got, want) in enumerate(zip(outputs, reference, strict=True)):
             assert got == want, f"request {i}: speculative engine output differs from plain greedy"
 

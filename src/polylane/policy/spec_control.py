@@ -11,7 +11,8 @@ Statistics (exponentially decayed, so they follow the text being written):
   drafter's candidates there (0 = its best guess; "miss" when it was not among them), by depth.
   With top-k children at a depth the chance to accept there is the sum of the first k rank
   rates. For a deterministic draft (greedy, top-k, n-gram) that is exact; for sampled drafts it
-  is the rate of the token the target produced.
+  is the rate of the token the target produced. A round with nothing to draft (no n-gram match)
+  is a plain decode step and records nothing: n-gram rates are rates given a match.
 - tokens per verify, per pair and shape: the realised mean, used once a shape has been tried
   enough, in place of the model above.
 - costs: seconds per drafter forward (one depth for a batch) per drafter, and a linear fit of the
@@ -389,7 +390,7 @@ class SpecController:
                         shapes.append(shape)
             if kind == NGRAM:  # n-gram trees are tries of matches, sized by nodes
                 shapes += [TreeShape.topk(b, *([1] * (d - 1))) for b in (2, 3) for d in (4, k_max)]
-            elif kind != NGRAM:
+            else:
                 for budget in (8, 16, n_max):
                     if budget <= n_max:
                         shapes.append(TreeShape.dynamic(min(k_max, 6), 4, budget))

@@ -116,7 +116,8 @@ class Runner:
             model,
             tuple(prompt_ids),
             RequestSampler(params),
-            speculate=params.speculation is not False,
+            # a seeded sampled request reproduces its tokens only on plain decoding's draws
+            speculate=params.speculation is not False and (params.greedy or params.seed is None),
         )
 
     def finish(self, request_id: int, *, cache: bool) -> None:
@@ -228,13 +229,17 @@ class Runner:
         candidates = [w for w in decoding if w.request.speculate]
         if not candidates:
             return {}
-        context_limit = self._kv(candidates[0].request.model).model.config.max_context
+        kv = self._kv(candidates[0].request.model)
+        context_limit = kv.model.config.max_context
+        # drafts only where the pool has room for their verify (else every step would draft for
+        # nothing and fall back): free and evictable slots shared among the candidates
+        slack = self.free_blocks(candidates[0].request.model) * kv.block_size // len(candidates)
         requests = []
         for w in candidates:
             request = w.request
             sequence = request.kv
             assert sequence is not None
-            left = request.sampler.params.max_tokens - len(request.generated)
+            left = min(request.sampler.params.max_tokens - len(request.generated), slack - 1)
             room = context_limit - sequence.num_tokens - 1
             requests.append(
                 SpecRequest(

@@ -154,6 +154,10 @@ class SpeculativeGenerator:
                 drafted = len(verify[r.index].token_ids) - 1
                 new = speculator.finish(self.kv, r.index, row)
                 r.generated.extend(new)
+                if not drafted:  # nothing was drafted (no n-gram match): a plain step
+                    r.output.plain_steps += 1
+                    r.last_at = time.perf_counter()
+                    continue
                 r.output.rounds += 1
                 r.output.drafted += drafted
                 r.output.accepted += len(new) - 1

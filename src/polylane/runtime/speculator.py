@@ -152,6 +152,8 @@ class Speculator:
         acceptance = accept_rows(rows, job.tree, request.sampler, job.draft_probs, greedy_choices)
         commit(kv, request.sequence, round_.base, job.tree, acceptance)
         round_.drafter.settle(request_id, request.sequence.token_ids)
+        if not len(job.tree):  # nothing to draft (no n-gram match): a plain decode step
+            return list(acceptance.tokens)
         self.controller.record_round(
             request_id,
             round_.decision.drafter,
@@ -189,9 +191,7 @@ class Speculator:
 
 def _rank_events(job: DraftJob, acceptance: Acceptance) -> list[tuple[int, int | None]]:
     """(depth of the children, rank of the target's token among the drafter's candidates) at
-    every node of the walk that the drafter expanded; an empty draft is a miss at depth 1."""
-    if not len(job.tree):
-        return [(1, None)]
+    every node of the walk that the drafter expanded."""
     events = []
     for index, node in enumerate((-1, *acceptance.path)):
         candidates = job.candidates.get(node)
