@@ -87,6 +87,11 @@ class _EngineCollector:
         prefix_tokens = CounterMetricFamily(
             "polylane_prefix_hit_tokens", "prompt tokens served from cache", labels=["model"]
         )
+        cross_tokens = CounterMetricFamily(
+            "polylane_cross_model_hit_tokens",
+            "prompt tokens whose lower-band KV came from another model (shared layers)",
+            labels=["model"],
+        )
         for name, model in stats.models.items():
             lane.add_metric([name], model.lane_share)
             lane_steps.add_metric([name], model.lane_steps)
@@ -94,9 +99,10 @@ class _EngineCollector:
             tokens.add_metric([name], model.output_tokens)
             prefix.add_metric([name], model.prefix_hit_rate)
             prefix_tokens.add_metric([name], model.prefix_matched_tokens)
+            cross_tokens.add_metric([name], model.cross_model_tokens)
             for reason, count in model.finished.items():
                 finished.add_metric([name, reason], count)
-        yield from (lane, lane_steps, requests, finished, tokens, prefix, prefix_tokens)
+        yield from (lane, lane_steps, requests, finished, tokens, prefix, prefix_tokens, cross_tokens)
 
         yield CounterMetricFamily("polylane_steps", "engine steps", value=stats.steps)
         yield CounterMetricFamily(
