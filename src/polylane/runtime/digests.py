@@ -35,6 +35,7 @@ from polylane.runtime.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 DIGEST_VERSION = 2
+MAX_CACHED_DIGESTS = 512  # entries kept under digests_dir(), most recently used first
 EMBEDDING_NAMES = ("embed_tokens.weight", "vocab_columns")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
@@ -165,7 +166,9 @@ def cached_digest(source: catalog.ModelSource, dtype: str | torch.dtype) -> Mode
     or the file changed since)."""
     try:
         path = digest_path(source, dtype)
-        return ModelDigest.from_json(json.loads(path.read_text())["digest"])
+        digest = ModelDigest.from_json(json.loads(path.read_text())["digest"])
+        os.utime(path)  # recently used: the last to be pruned
+        return digest
     except FileNotFoundError:
         return None
     except (OSError, KeyError, TypeError, ValueError) as error:
@@ -202,6 +205,19 @@ def save_digest(source: catalog.ModelSource, dtype: str | torch.dtype, digest: M
     except OSError as error:
         log.warning("could not cache model digests at %s: %s", target, error)
         temporary.unlink(missing_ok=True)
+        return
+    _prune(target.parent)
+
+
+def _prune(folder: Path, keep: int = MAX_CACHED_DIGESTS) -> None:
+    """Keep the `keep` most recently used entries (temporary model folders, e.g. of tests, leave
+    entries that are never read again)."""
+    try:
+        entries = sorted(folder.glob("*.json"), key=lambda path: path.stat().st_mtime_ns)
+        for stale in entries[: max(0, len(entries) - keep)]:
+            stale.unlink(missing_ok=True)
+    except OSError:  # another process pruned meanwhile
+        pass
 
 
 def digest_of(name_or_path: str, dtype: str = "fp32", *, quiet: bool = True) -> ModelDigest:
