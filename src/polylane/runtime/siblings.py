@@ -238,6 +238,7 @@ def hf_config_dict(config: ModelConfig, tokenizer: Any = None) -> dict[str, Any]
             **fields,
         }
     if config.architecture == "gemma3":
+        scalar = (config.attention_scale or config.head_dim**-0.5) ** -2
         return {
             "architectures": ["Gemma3ForCausalLM"],
             "model_type": "gemma3_text",
@@ -247,7 +248,7 @@ def hf_config_dict(config: ModelConfig, tokenizer: Any = None) -> dict[str, Any]
             ],
             "sliding_window": config.sliding_window,
             "rope_local_base_freq": config.rope_local_theta,
-            "query_pre_attn_scalar": (config.attention_scale or config.head_dim**-0.5) ** -2,
+            "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-9 else scalar,
             "final_logit_softcapping": config.final_logit_softcap,
             **fields,
         }
