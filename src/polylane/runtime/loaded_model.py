@@ -38,13 +38,13 @@ def load_model(
 
     A GGUF file is dequantised once per dtype; with `convert_cache` the result is kept as
     safetensors (`runtime.converted`) and later loads read that instead. dtype "int4" or "int8"
-    gives the quantised twin (`runtime.quantize`): the bf16 model with weight-only quantised
-    projections; its activations and KV are bf16.
+    gives the quantised twin (`runtime.quantize`): the float32 model with weight-only quantised
+    projections (bf16 inside those kernels); its activations and KV are float32.
     """
     source = catalog.resolve(name_or_path, quiet=quiet)
     started = time.perf_counter()
     quantised = dtype if isinstance(dtype, str) and dtype in QUANTISED_FORMATS else None
-    run_dtype = torch.bfloat16 if quantised else parse_dtype(dtype)
+    run_dtype = torch.float32 if quantised else parse_dtype(dtype)
     weights = _load_weights(source, run_dtype, quiet, convert_cache)
     weight_bytes = weights.weight_bytes
     if quantised:

@@ -333,8 +333,8 @@ class ResidencyManager:
 
 
 def _estimate_dtype(dtype: str) -> str:
-    """The dtype to estimate a model's bytes at: a quantised twin is built from (and at most as
-    large as) the bf16 model, so its estimate is the bf16 size (an upper bound)."""
+    """The dtype to estimate a model's bytes at: a quantised twin (int4/int8 projections, bf16
+    embedding) ends at most as large as the bf16 model, so its estimate is the bf16 size."""
     return "bf16" if dtype in QUANTISED_FORMATS else dtype
 
 
