@@ -153,18 +153,32 @@ def test_pair_statistics():
 def test_linear_cost_fit_and_ema():
     cost = LinearCost()
     assert cost.predict(3) == 0.0 and not cost.seen
+    cost.add(1, 0.500)  # a first forward of a shape pays one-off costs: dropped
+    assert not cost.seen
     cost.add(1, 0.020)
     assert cost.predict(1) == pytest.approx(0.020)
-    assert cost.predict(11) > 0.020  # the prior slope, before a second token count is seen
+    assert cost.predict(11) > 0.020  # the prior slope, before a second token count is measured
     for tokens in (1, 5, 9, 13):
         cost.add(tokens, 0.020 + 0.001 * tokens)
-    assert cost.predict(21) == pytest.approx(0.041, rel=0.05)
+        cost.add(tokens, 0.020 + 0.001 * tokens)
+    assert cost.predict(9) == pytest.approx(0.029)  # measured
+    assert cost.predict(21) == pytest.approx(0.041, rel=0.05)  # extrapolated from the nearest
     ema = Ema(0.5)
     assert ema.value(7.0) == 7.0
     ema.add(2.0)
     assert ema.value() == pytest.approx(2.0)
     ema.add(4.0)
     assert 2.0 < ema.value() < 4.0
+
+
+def test_shadow_rounds_switch_a_free_drafter_back_on():
+    controller = _controller(SpeculationConfig(probe_every=100), drafters=(("ngram", "ngram", 0.0),))
+    _costs(controller)
+    _feed(controller, "ngram", lambda d, i: None, rounds=20, request=5)  # free-form so far: off
+    assert controller.decide(5, ["ngram"], batch_size=1, max_nodes=8) is None
+    for _ in range(12):  # the text turns copy-heavy: plain steps scored for the n-gram index
+        controller.record_shadow(5, "ngram", 0)
+    assert controller.decide(5, ["ngram"], batch_size=1, max_nodes=8) is not None
 
 
 def test_config_parsing_and_validation():

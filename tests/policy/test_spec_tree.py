@@ -126,14 +126,14 @@ def test_ngram_lookup_copies_what_followed_the_last_match():
     assert index.continuations(2) == [[9, 1]]
 
 
-def test_ngram_prefers_longer_and_more_recent_matches():
+def test_ngram_prefers_longer_and_earlier_matches():
     index = NgramIndex(1, 2)
     index.extend([1, 2, 3, 9, 2, 4, 1, 2])
-    # "1 2" occurred at the start → 3; "2" alone more recently → 4, but the longer n-gram wins
+    # "1 2" occurred at the start → 3; "2" alone also before 4, but the longer n-gram wins
     assert index.continuations(1) == [[3]]
     index = NgramIndex(1, 1)
     index.extend([2, 3, 2, 4, 2])
-    assert index.continuations(1, max_branches=3) == [[4], [3]]  # most recent first
+    assert index.continuations(1, max_branches=3) == [[3], [4]]  # earliest first, as transformers
 
 
 def test_ngram_no_match_and_sync():

@@ -4,9 +4,11 @@ What this module owns: an incremental index of one request's tokens (prompt, the
 generates) and the proposal rule. To propose, the last n tokens (n from `max_ngram` down to
 `min_ngram`) are looked up among earlier positions; the tokens that followed an earlier
 occurrence are the draft (prompt lookup decoding, Saxena 2023; transformers' `prompt_lookup`).
-The most recent occurrences are tried first. With `max_branches` > 1, the continuations of up to
-that many occurrences that start differently are merged into a token trie (a draft tree); with 1,
-the draft is a chain. No model runs: the cost is a dictionary lookup per round.
+The earliest occurrences are tried first, as transformers does: text that is being copied usually
+comes from the prompt, while a recent match is often the model's own last few tokens. With
+`max_branches` > 1, the continuations of up to that many occurrences that start differently are
+merged into a token trie (a draft tree); with 1, the draft is a chain. No model runs: the cost
+is a dictionary lookup per round.
 
 Pure policy: token ids only.
 """
@@ -40,9 +42,10 @@ class NgramIndex:
                 self._ends.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
 
     def sync(self, tokens: Sequence[int]) -> None:
-        """Make the index hold exactly `tokens` (usually just appends the new tail)."""
+        """Make the index hold `tokens`, which extend what it holds (a request's context only
+        grows); anything else (shorter, or a different last token) rebuilds it."""
         common = len(self.tokens)
-        if common > len(tokens) or self.tokens != list(tokens[:common]):
+        if common > len(tokens) or (common and self.tokens[-1] != tokens[common - 1]):
             self.__init__(self.min_ngram, self.max_ngram)  # type: ignore[misc]
             common = 0
         self.extend(tokens[common:])
@@ -57,7 +60,7 @@ class NgramIndex:
             ends = self._ends.get(tuple(self.tokens[end - n :]), [])
             found: list[list[int]] = []
             starts: set[int] = set()
-            for match_end in reversed(ends):
+            for match_end in ends:
                 if match_end >= end:
                     continue  # the suffix itself
                 follow = self.tokens[match_end : match_end + max_tokens]

@@ -15,9 +15,13 @@ Statistics (exponentially decayed, so they follow the text being written):
   is a plain decode step and records nothing: n-gram rates are rates given a match.
 - tokens per verify, per pair and shape: the realised mean, used once a shape has been tried
   enough, in place of the model above.
-- costs: seconds per drafter forward (one depth for a batch) per drafter, and a linear fit of the
-  target's forward seconds against the tokens it computes, t(n) = a + b·n, fed by plain decode
-  steps (n = batch) and verify passes (n = every draft node plus the last token of each request).
+- costs: seconds per drafter forward (one depth for a batch) per drafter, and the target's
+  forward seconds by the tokens it computes, t(n), measured per n where seen and a line between
+  (`LinearCost`), fed by plain decode steps (n = batch) and verify passes (n = every draft node
+  plus the last token of each request).
+- shadow rounds: a drafter that costs nothing to ask (n-gram) is asked even while a request
+  decodes plainly, and its guess is scored against the token that came (`record_shadow`), so a
+  request whose text turns copy-heavy switches speculation on without waiting for a probe.
 
 The decision for a request in a batch of B: for every available drafter and every candidate
 shape, expected tokens E (1 + the expected accepted length) over expected cost relative to plain
@@ -244,40 +248,46 @@ class AcceptanceStats:
 
 @dataclass
 class LinearCost:
-    """Decayed least-squares fit of seconds = a + b·tokens, with a prior slope until fitted."""
+    """The target's forward seconds by tokens computed: measured where measured, else a line.
 
-    decay: float = 0.97
-    prior_slope_share: float = 0.05  # b / a before two distinct token counts are seen
-    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # w, Σx, Σy, Σxx, Σxy
+    Each token count keeps its own decayed mean, after a first observation that is dropped (a
+    new shape's first forward pays one-off costs: kernel selection, allocation). A count never
+    measured is predicted from a least-squares line through the measured means (every count
+    weighing alike, slope at least 0); with one count measured, from the prior slope.
+    """
+
+    decay: float = 0.9
+    prior_slope_share: float = 0.05  # b / a before two token counts are measured
+    means: dict[int, Ema] = field(default_factory=dict)
+    warmed: set[int] = field(default_factory=set)
 
     def add(self, tokens: int, seconds: float) -> None:
-        s = [v * self.decay for v in self.sums]
-        x, y = float(tokens), float(seconds)
-        s[0] += 1.0
-        s[1] += x
-        s[2] += y
-        s[3] += x * x
-        s[4] += x * y
-        self.sums = s
+        if tokens not in self.warmed:
+            self.warmed.add(tokens)
+            return
+        self.means.setdefault(tokens, Ema(self.decay)).add(seconds)
 
     @property
     def seen(self) -> bool:
-        return self.sums[0] > 0
+        return bool(self.means)
 
     def predict(self, tokens: int) -> float:
-        w, sx, sy, sxx, sxy = self.sums
-        if w <= 0:
+        if not self.means:
             return 0.0
-        mean_x, mean_y = sx / w, sy / w
-        variance = sxx / w - mean_x**2
-        if variance > 1e-9 * max(1.0, mean_x**2):
-            slope = (sxy / w - mean_x * mean_y) / variance
-            intercept = mean_y - slope * mean_x
-            if slope >= 0 and intercept > 0:
-                return intercept + slope * tokens
-        # one token count seen so far (or a fit that makes no sense): scale by the prior slope
-        intercept = mean_y / (1 + self.prior_slope_share * mean_x)
-        return intercept * (1 + self.prior_slope_share * tokens)
+        if tokens in self.means:
+            return self.means[tokens].value()
+        points = sorted((n, ema.value()) for n, ema in self.means.items())
+        if len(points) == 1:
+            n, seconds = points[0]
+            intercept = seconds / (1 + self.prior_slope_share * (n - 1))
+            return intercept * (1 + self.prior_slope_share * (tokens - 1))
+        mean_x = sum(n for n, _ in points) / len(points)
+        mean_y = sum(y for _, y in points) / len(points)
+        spread = sum((n - mean_x) ** 2 for n, _ in points)
+        slope = max(0.0, sum((n - mean_x) * (y - mean_y) for n, y in points) / spread)
+        # anchor the line at the nearest measured count, so measured neighbours stay consistent
+        n, seconds = min(points, key=lambda point: abs(point[0] - tokens))
+        return max(0.0, seconds + slope * (tokens - n))
 
 
 @dataclass
@@ -446,7 +456,10 @@ class SpecController:
         config = self.config
         if config.adaptive and best.expected_speedup < config.min_speedup:
             state.off_rounds += 1
-            if state.off_rounds % config.probe_every != 0:
+            probe_every = config.probe_every
+            if self.drafters[best.drafter].kind == NGRAM:  # shadow rounds keep its numbers live
+                probe_every *= 4
+            if state.off_rounds % probe_every != 0:
                 pair.decisions_off += 1
                 return None
         else:
@@ -483,6 +496,12 @@ class SpecController:
             pair.acceptance.record(depth, rank)
             state.acceptance.record(depth, rank)
         self.shape_tokens.setdefault((drafter, shape), Ema(0.95)).add(accepted + 1)
+
+    def record_shadow(self, request: int, drafter: str, rank: int | None) -> None:
+        """A plain decode step scored for a free drafter: the target's token was its depth-1
+        candidate `rank` (None: not among them)."""
+        self.pairs[drafter].acceptance.record(1, rank)
+        self._requests.setdefault(request, _RequestState()).acceptance.record(1, rank)
 
     def record_draft_cost(self, drafter: str, seconds: float, forwards: int) -> None:
         """Seconds the drafter spent in one step over `forwards` forward passes (or lookups)."""

@@ -235,6 +235,14 @@ class NgramDrafter:
             job.forwards = 1
         return 1
 
+    def first_candidates(self, request_id: int, context: Sequence[int], branches: int) -> list[int]:
+        """The tokens a draft would start with after `context` (for shadow scoring)."""
+        index = self._indexes.get(request_id)
+        if index is None:
+            index = self._indexes[request_id] = NgramIndex(self.min_ngram, self.max_ngram)
+        index.sync(context)
+        return [c[0] for c in index.continuations(1, branches)]
+
     def settle(self, request_id: int, committed: Sequence[int]) -> None:
         pass  # the index catches up from the context next round
 

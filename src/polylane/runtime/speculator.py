@@ -38,7 +38,7 @@ from polylane.policy.spec_control import (
     SpecDecision,
     SpeculationConfig,
 )
-from polylane.runtime.drafters import Drafter, DraftJob
+from polylane.runtime.drafters import Drafter, DraftJob, NgramDrafter
 from polylane.runtime.model_kv import Extend, KVSequence, ModelKV
 from polylane.runtime.sampler import RequestSampler
 from polylane.runtime.spec_verify import accept_rows, commit, verify_extend
@@ -86,6 +86,7 @@ class Speculator:
         self.controller = SpecController(target, config, pairs)
         self.drafters: dict[str, Drafter] = {}
         self._rounds: dict[int, _Round] = {}
+        self._shadows: dict[tuple[int, str], tuple[int, list[int]]] = {}  # (request, drafter) → guess
 
     # ------------------------------------------------------------------ drafters
 
@@ -123,6 +124,8 @@ class Speculator:
             decision = self.controller.decide(request.id, self.drafters, batch_size, limit)
             if decision is not None:
                 chosen.setdefault(decision.drafter, []).append((request, decision))
+            else:
+                self._shadow(request)
         extends: dict[int, Extend] = {}
         for name, items in chosen.items():
             drafter = self.drafters[name]
@@ -142,6 +145,21 @@ class Speculator:
                 self._rounds[request.id] = _Round(request, drafter, decision, job, base, extend)
                 extends[request.id] = extend
         return extends
+
+    def _shadow(self, request: SpecRequest) -> None:
+        """A plain step for `request`: score what each free drafter (n-gram) would have proposed
+        last step against the token that came, and note what it proposes now."""
+        for name, drafter in self.drafters.items():
+            if not isinstance(drafter, NgramDrafter):
+                continue
+            key = (request.id, name)
+            length = len(request.context)
+            previous = self._shadows.pop(key, None)
+            if previous is not None and previous[0] == length - 1 and previous[1]:
+                produced = request.context[-1]
+                rank = previous[1].index(produced) if produced in previous[1] else None
+                self.controller.record_shadow(request.id, name, rank)
+            self._shadows[key] = (length, drafter.first_candidates(request.id, request.context, 2))
 
     def finish(
         self, kv: ModelKV, request_id: int, rows: torch.Tensor, greedy_choices: list[int] | None = None
@@ -182,6 +200,7 @@ class Speculator:
         self._rounds.pop(request_id, None)
         for drafter in self.drafters.values():
             drafter.drop(request_id, cache=cache)
+            self._shadows.pop((request_id, drafter.name), None)
         self.controller.forget(request_id)
 
     def record_forward(self, tokens: int, seconds: float, drafters: Sequence[str] = ()) -> None:
