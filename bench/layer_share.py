@@ -16,6 +16,11 @@ the order of each measured system and its baseline so that machine drift cancels
 3. consumer, cold: the consumer alone, no prefix cache, one forward over the whole prompt;
 4. alias, shared and cold: the same with the alias (the whole prefix is copied, nothing computed).
 
+With --engine, the same through `Engine` (the serving path: scheduler, runner, `LayerShare.open`
+in the runner): the three models registered in one engine (`max_step_tokens` above the prompt, so
+no path is chunked), TTFT = submit → first token of a greedy request (`Completion.ttft_seconds`);
+"cold" is the consumer on another prompt of the same length that no model has seen.
+
 Metrics (median over --repeats, best in brackets):
 - ttft_*_ms: prompt in → first token's logits out, as above (model loading excluded).
 - speedup = cold / shared; ideal = num_layers / (num_layers - band) for the sibling (2.0 for half
@@ -39,7 +44,7 @@ from typing import Any
 import torch
 
 from polylane.runtime.layer_share import LayerShare
-from polylane.runtime.loaded_model import LoadedModel, load_model
+from polylane.runtime.loaded_model import load_model
 from polylane.runtime.model_kv import Extend, ModelKV
 from polylane.runtime.siblings import SiblingSpec, ensure_sibling
 
@@ -50,14 +55,14 @@ def progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def make_prompt(model: LoadedModel, tokens: int, variant: int) -> tuple[int, ...]:
+def make_prompt(tokenizer: Any, tokens: int, variant: int) -> tuple[int, ...]:
     topics = ["rivers", "bridges", "violins", "glaciers", "printing", "orbits", "bees", "tides"]
     text = " ".join(
         f"Note {variant}.{i}: the {topics[(i + variant) % len(topics)]} chapter lists "
         f"{(i * 7 + variant) % 53} facts about them."
         for i in range(tokens // 8)
     )
-    prompt = tuple(model.tokenizer.encode(text))[:tokens]
+    prompt = tuple(tokenizer.encode(text))[:tokens]
     assert len(prompt) == tokens, f"prompt text too short: {len(prompt)} tokens"
     return prompt
 
@@ -90,7 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     band = 0
     for repeat in range(args.repeats):
-        prompt = make_prompt(base, args.prompt_tokens, repeat)
+        prompt = make_prompt(base.tokenizer, args.prompt_tokens, repeat)
         share = LayerShare()
         kvs = {name: ModelKV(model, num_blocks=blocks, block_size=BLOCK) for name, model in names.items()}
         for name, kv in kvs.items():
@@ -138,6 +143,52 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def run_engine(args: argparse.Namespace) -> dict[str, Any]:
+    from polylane.engine import Engine, EngineConfig
+    from polylane.policy.scheduler import SchedulerConfig
+    from polylane.types import SamplingParams
+
+    sibling_path = ensure_sibling(args.model, SiblingSpec(top_layers=args.top_layers, seed=1))
+    config = EngineConfig(
+        budget_bytes=8 << 30, scheduler=SchedulerConfig(max_step_tokens=args.prompt_tokens + 64)
+    )
+    times: dict[str, list[float]] = {
+        key: [] for key in ("consumer_shared", "consumer_cold", "alias_shared", "alias_cold")
+    }
+    one = SamplingParams(max_tokens=1)
+    with Engine(config) as engine:
+        kv_tokens = 4 * (args.prompt_tokens + 64)
+        engine.add_model("provider", args.model, kv_tokens=kv_tokens)
+        engine.add_model("consumer", str(sibling_path), kv_tokens=kv_tokens)
+        engine.add_model("alias", args.model, kv_tokens=kv_tokens)
+        tokenizer = engine.models["provider"].tokenizer
+        for name in ("provider", "consumer", "alias"):  # load, and warm up each model's first forward
+            engine.generate(name, list(make_prompt(tokenizer, 64, 10_000)), one)
+        for repeat in range(args.repeats):
+            prompt = list(make_prompt(tokenizer, args.prompt_tokens, repeat))
+            engine.generate("provider", prompt, one)
+            for who in ("consumer", "alias"):
+                unseen = list(
+                    make_prompt(tokenizer, args.prompt_tokens, 1000 + 2 * repeat + (who == "alias"))
+                )
+                order = ("shared", "cold") if repeat % 2 == 0 else ("cold", "shared")
+                for kind in order:
+                    completion = engine.generate(who, prompt if kind == "shared" else unseen, one)
+                    times[f"{who}_{kind}"].append((completion.ttft_seconds or 0.0) * 1000)
+            progress(
+                f"  engine repeat {repeat + 1}/{args.repeats}: "
+                + ", ".join(f"{key} {values[-1]:.0f} ms" for key, values in times.items())
+            )
+        stats = engine.stats().models
+    median = {key: statistics.median(values) for key, values in times.items()}
+    return {
+        **{f"engine_ttft_{key}_ms": value for key, value in median.items()},
+        "engine_consumer_speedup": median["consumer_cold"] / median["consumer_shared"],
+        "engine_alias_speedup": median["alias_cold"] / median["alias_shared"],
+        "engine_cross_model_tokens": {who: stats[who].cross_model_tokens for who in ("consumer", "alias")},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -145,10 +196,13 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=2000)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--engine", action="store_true", help="also measure through the engine")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     progress(f"{args.model} fp32, {args.threads} threads, {args.repeats} repeats")
     result = run(args)
+    if args.engine:
+        result.update(run_engine(args))
     print(
         f"\n## {result['model']} fp32 and its sibling sharing layers [0, {result['band']}) of "
         f"{result['num_layers']}, {args.prompt_tokens}-token prompt, {args.threads} threads "
@@ -174,6 +228,14 @@ def main() -> None:
         f"identical: {result['first_token_same']}; max-abs logit difference: sibling "
         f"{diffs['consumer']:.2e}, alias {diffs['alias']:.2e}.\n"
     )
+    if args.engine:
+        e = {key.removeprefix("engine_"): value for key, value in result.items() if key.startswith("engine_")}
+        print(
+            f"Through the engine (submit → first token): sibling {e['ttft_consumer_shared_ms']:.0f} ms "
+            f"shared vs {e['ttft_consumer_cold_ms']:.0f} ms cold ({e['consumer_speedup']:.2f}x); "
+            f"alias {e['ttft_alias_shared_ms']:.0f} vs {e['ttft_alias_cold_ms']:.0f} ms "
+            f"({e['alias_speedup']:.2f}x); cross-model tokens {e['cross_model_tokens']}.\n"
+        )
     load = list(os.getloadavg())
     print(f"Load average (1, 5 min) after the run: {load[0]:.2f}, {load[1]:.2f}\n")
     print(json.dumps({"threads": args.threads, "repeats": args.repeats, "load_average": load[:2], **result}))
