@@ -72,6 +72,7 @@ def run(config: BenchConfig) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     last_timelines: dict[str, dict[str, list[dict[str, Any]]]] = {name: {} for name in names}
     load_before = _load_average()
+    git = _git()  # the code the workers start from (others may change the tree during a long run)
     bar = tqdm(total=total, unit="req", file=sys.stderr, disable=not config.progress, dynamic_ncols=True)
     try:
         for repeat, workload in enumerate(built):
@@ -95,7 +96,9 @@ def run(config: BenchConfig) -> dict[str, Any]:
     finally:
         bar.close()
     load_after = _load_average()
-    return assemble(config, built[0], runs, last_timelines, systems, (load_before, load_after))
+    results = assemble(config, built[0], runs, last_timelines, systems, (load_before, load_after))
+    results["environment"]["git"] = git
+    return results
 
 
 def assemble(

@@ -283,12 +283,12 @@ def plot_primary(results: dict[str, Any], path: Path) -> None:
         low = [m - min(s) for m, s in zip(medians, spread, strict=True)]
         high = [max(s) - m for m, s in zip(medians, spread, strict=True)]
         bars = axis.bar(names, medians, color=[colours[n] for n in names], yerr=[low, high], capsize=3)
-        for bar, name in zip(bars, names, strict=True):
+        for bar, name, top in zip(bars, names, spread, strict=True):
             ratio = (systems[name]["ratio"] or {}).get(phase["name"], {}).get(key)
             if ratio is not None:
                 axis.annotate(
                     f"polylane {ratio:.2f}×",
-                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    (bar.get_x() + bar.get_width() / 2, max(bar.get_height(), *top)),
                     ha="center",
                     va="bottom",
                     fontsize=7,
