@@ -79,6 +79,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     bench.add_argument(
         "--drafter", help="transformers-assisted: the assistant model (default: prompt lookup)"
     )
+    bench.add_argument("--timeout", type=float, default=3600, help="seconds one phase run may take")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument(
         "--rebuild",
@@ -163,6 +164,7 @@ def run(args: argparse.Namespace) -> int:
         url=args.url,
         api_key=args.api_key or os.environ.get("POLYLANE_API_KEY") or None,
         progress=not args.no_progress,
+        timeout_s=args.timeout,
         command=command_line(args),
     )
     return _write(harness.run(config), out)

@@ -50,6 +50,7 @@ class BenchConfig:
     url: str | None = None
     api_key: str | None = None
     progress: bool = True
+    timeout_s: float = 3600.0  # the most one phase run of one system may take
     command: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -66,7 +67,10 @@ def run(config: BenchConfig) -> dict[str, Any]:
     from tqdm import tqdm
 
     names = ["polylane", *config.baselines]
-    systems = {name: make_system(name, config.settings, config.url, config.api_key) for name in names}
+    systems = {
+        name: make_system(name, config.settings, config.url, config.api_key, config.timeout_s)
+        for name in names
+    }
     built = [workloads.build(config.workload, config.options, r) for r in range(config.repeats)]
     total = sum(len(p.requests) for w in built for p in w.phases) * len(names)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TextIO
 
 from polylane.bench.metrics import EngineCounters, RequestTimeline, merge_counters
@@ -77,6 +79,8 @@ class System:
         """Load and warm up; the seconds it took."""
         raise NotImplementedError
 
+    timeout_s: float = 3600.0  # the most one phase run may take
+
     def run(self, phase: Phase, on_done: Callable[[], None]) -> PhaseRun:
         raise NotImplementedError
 
@@ -94,6 +98,7 @@ class _Worker:
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in close()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "polylane.bench.worker"],
+            env=_worker_env(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -132,6 +137,16 @@ class _Worker:
         self.log.close()
 
 
+def _worker_env() -> dict[str, str]:
+    """The environment of a worker: this process's, with the folder this polylane was imported from
+    first on the path, so a worker runs the same code as the harness whatever is installed."""
+    import polylane
+
+    source = str(Path(polylane.__file__).resolve().parents[1])
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": source + (os.pathsep + path if path else "")}
+
+
 class WorkerSystem(System):
     """A local system: one worker process, or one per model (`per_model`)."""
 
@@ -160,7 +175,7 @@ class WorkerSystem(System):
         else:
             parts = {"all": phase}
         for key, part in parts.items():  # the start signals go out back to back
-            self.workers[key].send({"op": "run", "phase": part.to_dict()})
+            self.workers[key].send({"op": "run", "phase": part.to_dict(), "timeout_s": self.timeout_s})
         results: dict[str, dict[str, Any] | BaseException] = {}
         lock = threading.Lock()
 
@@ -231,7 +246,7 @@ class UrlSystem(System):
             client = self._client()  # an AsyncOpenAI client belongs to one event loop
             try:
                 before = client.counters()
-                timelines = await replay(phase, client, lambda _: on_done())
+                timelines = await asyncio.wait_for(replay(phase, client, lambda _: on_done()), self.timeout_s)
                 after = client.counters()
             finally:
                 await client.close()
@@ -246,9 +261,19 @@ class UrlSystem(System):
 
 
 def make_system(
-    name: str, settings: SystemSettings, url: str | None = None, api_key: str | None = None
+    name: str,
+    settings: SystemSettings,
+    url: str | None = None,
+    api_key: str | None = None,
+    timeout_s: float = 3600.0,
 ) -> System:
     """The system `name` (see the module docstring); `url`: polylane runs against that server."""
+    system = _make_system(name, settings, url, api_key)
+    system.timeout_s = timeout_s
+    return system
+
+
+def _make_system(name: str, settings: SystemSettings, url: str | None, api_key: str | None) -> System:
     engine_setup: dict[str, Any] = {
         "kind": "engine",
         "dtype": settings.dtype,

@@ -8,7 +8,9 @@ Protocol: one JSON object per line. The parent sends `{"op": "start", ...setup}`
 loads and warms up, then answers `{"event": "ready", "load_seconds": s}`. For each
 `{"op": "run", "phase": {...}}` it answers `{"event": "done"}` once per finished request (progress)
 and then `{"event": "result", "timelines": [...], "engine": counters or null}`, the timelines on
-the worker's clock from the moment it read the command. `{"op": "quit"}` ends it. Any failure is
+the worker's clock from the moment it read the command; a phase of an engine worker still running
+after the command's `timeout_s` fails with the stacks of every thread on stderr (a hung engine
+never hangs the bench). `{"op": "quit"}` ends it. Any failure is
 answered with `{"event": "error", "message": ...}` and a non-zero exit. Whatever else the worker
 prints goes to its stderr: the real stdout carries the protocol only.
 
@@ -20,6 +22,7 @@ per-process engines) or `{"kind": "transformers", "models", "dtype", "assisted",
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import os
 import sys
@@ -72,7 +75,8 @@ def _serve(protocol: TextIO) -> None:
             if command["op"] != "run":
                 raise ValueError(f"unknown command {command['op']!r}")
             phase = Phase.from_dict(command["phase"])
-            timelines, engine = system.run(phase, lambda _: _answer(protocol, {"event": "done"}))
+            timeout = float(command.get("timeout_s") or 3600)
+            timelines, engine = system.run(phase, lambda _: _answer(protocol, {"event": "done"}), timeout)
             _answer(
                 protocol,
                 {"event": "result", "timelines": [t.to_dict() for t in timelines], "engine": engine},
@@ -97,12 +101,16 @@ class _EngineSystem:
         )
         self.client = EngineClient(self.engine)
 
-    def run(self, phase: Phase, on_done: Any) -> tuple[list[Any], dict[str, Any]]:
+    def run(self, phase: Phase, on_done: Any, timeout: float) -> tuple[list[Any], dict[str, Any]]:
         from polylane.bench.engine_client import engine_counters
         from polylane.bench.replay import replay
 
         before = engine_counters(self.engine)
-        timelines = asyncio.run(replay(phase, self.client, on_done))
+        try:
+            timelines = asyncio.run(asyncio.wait_for(replay(phase, self.client, on_done), timeout))
+        except TimeoutError:
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)  # where the engine stands
+            raise TimeoutError(f"phase {phase.name!r} did not finish within {timeout:.0f} s") from None
         return timelines, engine_counters(self.engine).delta(before).to_dict()
 
     def close(self) -> None:
@@ -117,8 +125,8 @@ class _TransformersSystem:
         self.runner.load_all()
         self.runner.warm_up()
 
-    def run(self, phase: Phase, on_done: Any) -> tuple[list[Any], None]:
-        return self.runner.run(phase, on_done), None
+    def run(self, phase: Phase, on_done: Any, timeout: float) -> tuple[list[Any], None]:
+        return self.runner.run(phase, on_done), None  # generate runs in this thread: no watchdog
 
     def close(self) -> None:
         pass
