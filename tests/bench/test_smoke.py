@@ -30,24 +30,13 @@ def _smollm2() -> None:
     fetch_or_skip(SMOL)
 
 
-def bench(capsys: pytest.CaptureFixture[str], out: Path, *argv: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def bench(
+    capsys: pytest.CaptureFixture[str], out: Path, *argv: str, kv_tokens: int = 1024
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Run `polylane bench ARGV`; the results document (checked against the schema) and the
     last stdout line, parsed."""
-    code = main(
-        [
-            "bench",
-            *argv,
-            "--out",
-            str(out),
-            "--repeats",
-            "1",
-            "--no-progress",
-            "--kv-tokens",
-            "1024",
-            "--timeout",
-            "240",
-        ]
-    )
+    options = ["--out", str(out), "--repeats", "1", "--no-progress", "--timeout", "240"]
+    code = main(["bench", *argv, *options, "--kv-tokens", str(kv_tokens)])
     captured = capsys.readouterr()
     assert code == 0, captured.err[-3000:]
     results = json.loads((out / "results.json").read_text())
@@ -114,8 +103,11 @@ def test_shared_prefix_requests_reuse_the_system_prompt(
 ) -> None:
     results, _ = bench(
         capsys, tmp_path, "shared-prefix", "--requests", "2", "--prefixes", "1", "--max-tokens", "3",
-        "--rate", "0", "--concurrency", "1", "--baseline", "none",
+        "--rate", "0", "--concurrency", "1", "--baseline", "none", kv_tokens=2048,
     )  # fmt: skip
+    # kv_tokens 2048: with 1024 the second request must evict the first one's cached blocks, and
+    # the scheduler sometimes keeps a stale free-block count from before they became evictable, so
+    # the request waits forever on an idle engine (seen about 1 run in 3; reported, engine side).
     assert list(results["systems"]) == ["polylane"]
     polylane = results["systems"]["polylane"]["summary"]["shared-prefix"]
     # The second request reuses the first one's system prompt (about 600 tokens).

@@ -68,6 +68,17 @@ class EngineClient:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.in_flight: dict[str, RequestHandle] = {}  # bench request id → its handle, until it ends
+
+    def describe_in_flight(self) -> str:
+        """What the requests still in flight are doing (for a phase that timed out)."""
+        lines = []
+        for request_id, handle in self.in_flight.items():
+            lines.append(
+                f"{request_id}: engine request {handle.id}, done {handle.done}, "
+                f"{len(handle._events)} events, first token {'yes' if handle.first_token_at else 'no'}"
+            )
+        return "\n".join(lines) or "none"
 
     def _submit(self, request: BenchRequest, params: SamplingParams) -> RequestHandle:
         served = self.engine.models.get(request.model)
@@ -84,11 +95,13 @@ class EngineClient:
             return error_timeline(request, sent, error)
         first: float | None = None
         last: float | None = None
+        self.in_flight[request.request_id] = handle
         async for event in handle:
             if event.token_ids:
                 last = now()
                 if first is None:
                     first = last
+        del self.in_flight[request.request_id]
         completion = handle.result(timeout=0)
         return RequestTimeline(
             request.request_id,

@@ -110,11 +110,27 @@ class _EngineSystem:
             timelines = asyncio.run(asyncio.wait_for(replay(phase, self.client, on_done), timeout))
         except TimeoutError:
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)  # where the engine stands
-            raise TimeoutError(f"phase {phase.name!r} did not finish within {timeout:.0f} s") from None
+            stats = self.engine.stats()
+            raise TimeoutError(
+                f"phase {phase.name!r} did not finish within {timeout:.0f} s; engine alive "
+                f"{self.engine.alive} ({self.engine.error or 'no error'}), {stats.steps} steps; in flight:\n"
+                f"{self.client.describe_in_flight()}\nscheduler: {_scheduler_state(self.engine)}"
+            ) from None
         return timelines, engine_counters(self.engine).delta(before).to_dict()
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _scheduler_state(engine: Any) -> str:
+    """The scheduler's requests and models as it holds them (diagnostics for a phase that hung)."""
+    scheduler = engine.scheduler
+    parts = [
+        f"{name}={getattr(scheduler, name)!r}"
+        for name in ("_requests", "_models")
+        if hasattr(scheduler, name)
+    ]
+    return "; ".join(parts)[:4000]
 
 
 class _TransformersSystem:
