@@ -90,11 +90,12 @@ def test_speculation_switches_off_when_it_loses_and_probes_again():
     _costs(controller)
     controller.record_draft_cost("small", 0.02, 1)  # as costly as the target: cannot pay
     _feed(controller, "small", lambda d, i: None, request=7)  # never right
-    decisions = [controller.decide(7, ["small"], batch_size=1, max_nodes=16) for _ in range(8)]
-    assert decisions.count(None) == 6, decisions  # on only at every 4th round (a probe)
-    assert decisions[3] is not None and decisions[7] is not None
+    decisions = [controller.decide(7, ["small"], batch_size=1, max_nodes=16) for _ in range(16)]
+    probes = [i for i, d in enumerate(decisions) if d is not None]
+    assert probes == [3, 11], decisions  # after 4 plain rounds, then 8 (each probe doubles the wait)
+    assert all(decisions[i].shape == TreeShape.chain(1) for i in probes)  # the cheapest draft
     pair = controller.pairs["small"]
-    assert pair.decisions_off == 6 and pair.decisions_on == 2
+    assert pair.decisions_off == 14 and pair.decisions_on == 2
     # a non-adaptive config speculates anyway
     forced = _controller(SpeculationConfig(adaptive=False, shape=TreeShape.chain(3)))
     _costs(forced)
@@ -127,6 +128,18 @@ def test_the_cheaper_drafter_wins_at_equal_acceptance():
     assert controller.decide(1, ["big"], batch_size=1, max_nodes=16).drafter == "big"
     assert controller.decide(1, [], batch_size=1, max_nodes=16) is None
     assert controller.decide(1, ["twin"], batch_size=1, max_nodes=0) is None
+
+
+def test_a_drafters_prompt_prefill_must_pay_for_itself():
+    controller = _controller()
+    _costs(controller)
+    controller.record_draft_cost("small", 0.004, 1)
+    controller.record_draft_prefill("small", 100, 0.2)  # 2 ms per prompt token
+    _feed(controller, "small", lambda d, i: 0 if i % 4 else None)
+    catch_up = {"small": 400}  # a 400-token prompt the drafter has not seen: 0.8 s
+    assert controller.decide(1, ["small"], batch_size=1, max_nodes=4, catch_up=catch_up) is None
+    assert controller.decide(2, ["small"], batch_size=1, max_nodes=500, catch_up=catch_up) is not None
+    assert controller.decide(3, ["small"], batch_size=1, max_nodes=4, catch_up={"small": 1}) is not None
 
 
 def test_max_nodes_limits_the_shape():

@@ -41,6 +41,14 @@ def test_chain_takes_the_best_candidate_at_each_depth():
     assert tree.confidence == pytest.approx((0.6, 0.36, 0.216))
 
 
+def test_chain_stops_where_the_drafter_is_unsure():
+    probs = {0: 0.9, 1: 0.3, 2: 0.9}  # the second token is a guess
+
+    tree, asked = _grow(TreeShape.chain(5, min_confidence=0.4), lambda node, depth: [(depth, probs[depth])])
+    assert tree.token_ids == (0, 1) and asked == [[-1], [0]]  # drafted the guess, then stopped
+    assert TreeShape.chain(5, 0.4).limited(3) == TreeShape.chain(3, 0.4)
+
+
 def test_topk_per_depth():
     tree, asked = _grow(TreeShape.topk(2, 2, 1), _ranked)
     # depth 1: 2 children of the root; depth 2: 2 each; depth 3: 1 each → 2 + 4 + 4 nodes
@@ -124,6 +132,8 @@ def test_ngram_lookup_copies_what_followed_the_last_match():
     assert tree.token_ids == (8, 9, 1) and tree.is_chain
     index.extend([8])
     assert index.continuations(2) == [[9, 1]]
+    index.extend([5, 6])  # "5 6" → 7 (twice, same start); "6" alone too; a 2-deep trie of one branch
+    assert index.propose(max_nodes=6, max_branches=2, depth=2).token_ids == (7, 8)
 
 
 def test_ngram_prefers_longer_and_earlier_matches():
@@ -131,6 +141,7 @@ def test_ngram_prefers_longer_and_earlier_matches():
     index.extend([1, 2, 3, 9, 2, 4, 1, 2])
     # "1 2" occurred at the start → 3; "2" alone also before 4, but the longer n-gram wins
     assert index.continuations(1) == [[3]]
+    assert index.continuations(1, max_branches=2) == [[3], [4]]  # then a shorter n-gram's branch
     index = NgramIndex(1, 1)
     index.extend([2, 3, 2, 4, 2])
     assert index.continuations(1, max_branches=3) == [[3], [4]]  # earliest first, as transformers

@@ -6,8 +6,9 @@ generates) and the proposal rule. To propose, the last n tokens (n from `max_ngr
 occurrence are the draft (prompt lookup decoding, Saxena 2023; transformers' `prompt_lookup`).
 The earliest occurrences are tried first, as transformers does: text that is being copied usually
 comes from the prompt, while a recent match is often the model's own last few tokens. With
-`max_branches` > 1, the continuations of up to that many occurrences that start differently are
-merged into a token trie (a draft tree); with 1, the draft is a chain. No model runs: the cost
+`max_branches` > 1, the continuations of up to that many occurrences that start differently
+(shorter n-grams' after the longest one's) are merged into a token trie (a draft tree); with 1,
+the draft is a chain. No model runs: the cost
 is a dictionary lookup per round.
 
 Pure policy: token ids only.
@@ -51,16 +52,16 @@ class NgramIndex:
         self.extend(tokens[common:])
 
     def continuations(self, max_tokens: int, max_branches: int = 1) -> list[list[int]]:
-        """Up to `max_branches` continuations (each up to `max_tokens` tokens), with different
-        first tokens, from the longest n-gram that matches earlier; [] when nothing matches."""
+        """Up to `max_branches` continuations (each up to `max_tokens` tokens) with different first
+        tokens: those of the longest n-gram that matches earlier first, then shorter n-grams'
+        (for a tree's other branches); [] when nothing matches."""
         if max_tokens < 1 or max_branches < 1:
             return []
         end = len(self.tokens)
+        found: list[list[int]] = []
+        starts: set[int] = set()
         for n in range(min(self.max_ngram, end - 1), self.min_ngram - 1, -1):
-            ends = self._ends.get(tuple(self.tokens[end - n :]), [])
-            found: list[list[int]] = []
-            starts: set[int] = set()
-            for match_end in ends:
+            for match_end in self._ends.get(tuple(self.tokens[end - n :]), []):
                 if match_end >= end:
                     continue  # the suffix itself
                 follow = self.tokens[match_end : match_end + max_tokens]
@@ -69,14 +70,13 @@ class NgramIndex:
                 starts.add(follow[0])
                 found.append(follow)
                 if len(found) == max_branches:
-                    break
-            if found:
-                return found
-        return []
+                    return found
+        return found
 
-    def propose(self, max_nodes: int, max_branches: int = 1) -> DraftTree:
-        """A draft of at most `max_nodes` tokens: a chain, or a trie of continuations."""
-        continuations = self.continuations(max_nodes, max_branches)
+    def propose(self, max_nodes: int, max_branches: int = 1, depth: int | None = None) -> DraftTree:
+        """A draft of at most `max_nodes` tokens, each branch at most `depth` deep (default: as
+        many as the nodes): a chain, or a trie of continuations."""
+        continuations = self.continuations(min(max_nodes, depth or max_nodes), max_branches)
         return trie(continuations, max_nodes)
 
 

@@ -25,7 +25,8 @@ Statistics (exponentially decayed, so they follow the text being written):
 
 The decision for a request in a batch of B: for every available drafter and every candidate
 shape, expected tokens E (1 + the expected accepted length) over expected cost relative to plain
-decode, (depth·c_draft + t(B·(nodes + 1))) / t(B). The best wins if its speedup beats
+decode, (depth·c_draft + t(B·(nodes + 1)) + the drafter's catch-up prefill spread over the rounds
+left) / t(B). The best wins if its speedup beats
 `min_speedup`; otherwise the request decodes plainly this round ("off"), and tries again every
 `probe_every` rounds (its statistics may have changed: a copy-heavy passage starts).
 """
@@ -33,7 +34,7 @@ decode, (depth·c_draft + t(B·(nodes + 1))) / t(B). The best wins if its speedu
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from polylane.policy.spec_tree import CHAIN, DYNAMIC, SHAPE_KINDS, TOPK, TreeShape
@@ -44,6 +45,8 @@ AUTO = "auto"
 MODES = ("auto", "chain", "tree")
 MAX_DEPTH = 12  # depths tracked by the acceptance statistics
 MAX_RANK = 4  # ranks tracked (candidates a drafter offers per node)
+PREFILL_SPEEDUP = 16  # prior: a prefilled token costs this much less than a decode step
+MAX_PROBE_INTERVAL = 1024  # rounds between probes of a request that decodes plainly, at most
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,9 @@ class SpeculationConfig:
     adaptive: let the controller switch speculation off when it loses to plain decode.
     min_speedup: the expected speedup below which a request decodes plainly.
     probe_every: rounds between retries for a request that decodes plainly.
+    ngram_min / ngram_max: the n-gram sizes prompt lookup matches.
+    draft_confidence: a model drafter's chain stops at a token it gives less than this probability
+        (transformers' assistant confidence threshold; 0: never stop early).
     """
 
     drafters: tuple[str, ...] = (AUTO,)
@@ -75,6 +81,7 @@ class SpeculationConfig:
     probe_every: int = 16
     ngram_min: int = 1
     ngram_max: int = 3
+    draft_confidence: float = 0.4
 
     def __post_init__(self) -> None:
         if isinstance(self.drafters, str):
@@ -111,7 +118,7 @@ class SpeculationConfig:
             fields = dict(value)
             unknown = set(fields) - {
                 "drafters", "mode", "shape", "max_draft_tokens", "max_tree_nodes", "adaptive",
-                "min_speedup", "probe_every", "ngram_min", "ngram_max",
+                "min_speedup", "probe_every", "ngram_min", "ngram_max", "draft_confidence",
             }  # fmt: skip
             if unknown:
                 raise ValueError(f"unknown speculation settings {sorted(unknown)}")
@@ -285,9 +292,12 @@ class LinearCost:
         mean_y = sum(y for _, y in points) / len(points)
         spread = sum((n - mean_x) ** 2 for n, _ in points)
         slope = max(0.0, sum((n - mean_x) * (y - mean_y) for n, y in points) / spread)
+        if tokens < points[0][0]:  # below every measured count: never extrapolate a line down
+            n, seconds = points[0]
+            return seconds / (1 + self.prior_slope_share * (n - tokens))
         # anchor the line at the nearest measured count, so measured neighbours stay consistent
         n, seconds = min(points, key=lambda point: abs(point[0] - tokens))
-        return max(0.0, seconds + slope * (tokens - n))
+        return seconds + slope * (tokens - n)
 
 
 @dataclass
@@ -335,6 +345,7 @@ class SpecDecision:
 class _RequestState:
     acceptance: AcceptanceStats = field(default_factory=lambda: AcceptanceStats(decay=0.9))
     off_rounds: int = 0
+    probe_interval: int = 0  # rounds between probes while off (0: not off yet); doubles per probe
     rounds: int = 0
 
 
@@ -364,7 +375,8 @@ class SpecController:
         self.drafters: dict[str, DrafterInfo] = {}
         self.pairs: dict[str, PairStats] = pairs if pairs is not None else {}
         self.verify_cost = LinearCost()
-        self.draft_cost: dict[str, Ema] = {}
+        self.draft_cost: dict[str, Ema] = {}  # seconds per draft step (one forward, a batch)
+        self.draft_prefill: dict[str, Ema] = {}  # seconds per token of a drafter's catch-up prefill
         self.shape_tokens: dict[tuple[str, TreeShape], Ema] = {}
         self._requests: dict[int, _RequestState] = {}
         self._shape_cache: dict[str, list[tuple[TreeShape, int, int]]] = {}
@@ -375,6 +387,7 @@ class SpecController:
         self.drafters[info.name] = info
         self.pairs.setdefault(info.name, PairStats())
         self.draft_cost.setdefault(info.name, Ema(0.95))
+        self.draft_prefill.setdefault(info.name, Ema(0.9))
 
     def forget(self, request: int) -> None:
         self._requests.pop(request, None)
@@ -389,7 +402,8 @@ class SpecController:
         k_max, n_max = config.max_draft_tokens, config.max_tree_nodes
         shapes: list[TreeShape] = []
         if config.mode in ("auto", "chain"):
-            shapes += [TreeShape.chain(k) for k in range(1, k_max + 1)]
+            stop = config.draft_confidence if kind != NGRAM else 0.0
+            shapes += [TreeShape.chain(k, stop) for k in range(1, k_max + 1)]
         if config.mode in ("auto", "tree"):
             for depth in range(2, k_max + 1):
                 for head in ((2,), (3,), (2, 2), (4,), (3, 2), (4, 2)):
@@ -421,28 +435,39 @@ class SpecController:
         return _expected_tokens(table, shape)
 
     def decide(
-        self, request: int, available: Iterable[str], batch_size: int, max_nodes: int
+        self,
+        request: int,
+        available: Iterable[str],
+        batch_size: int,
+        max_nodes: int,
+        catch_up: Mapping[str, int] | None = None,
     ) -> SpecDecision | None:
         """This round's choice for `request` (None: decode plainly). `max_nodes` caps the draft
-        (tokens left before max_tokens or the context end, minus the one the target adds)."""
+        (tokens left before max_tokens or the context end, minus the one the target adds).
+        `catch_up`: per drafter, the tokens it must prefill before it can draft for this request
+        (the whole prompt the first time); that one-off cost is spread over the rounds left."""
         state = self._requests.setdefault(request, _RequestState())
         names = [n for n in available if n in self.drafters]
         if not names or max_nodes < 1:
             return None
         batch = max(1, batch_size)
-        plain = self._forward_seconds(batch)
+        plain = max(self._forward_seconds(batch), 1e-9)
         best: tuple[float, str, TreeShape, float] | None = None  # speedup, drafter, shape, tokens
         for name in names:
             table = self._accept_table(name, request)
             info = self.drafters[name]
             per_forward = self.draft_cost[name].value(default=info.relative_cost * plain)
+            pending = (catch_up or {}).get(name, 0)
+            prefill = pending * self.draft_prefill[name].value(default=per_forward / PREFILL_SPEEDUP)
             for shape, nodes, depth in self._shapes(info.kind):
                 if nodes > max_nodes:
                     shape = shape.limited(max_nodes)
                     nodes, depth = shape.max_nodes, shape.depth
                 tokens = self._estimate(name, shape, table)
                 forwards = depth if info.kind != NGRAM else 1
-                cost = (forwards * per_forward + self._forward_seconds(batch * (nodes + 1))) / plain
+                rounds_left = max(1.0, (max_nodes + 1) / tokens)
+                seconds = forwards * per_forward + self._forward_seconds(batch * (nodes + 1))
+                cost = (seconds + prefill / rounds_left) / plain
                 speedup = tokens / cost
                 if best is None or speedup > best[0] + 1e-9:
                     best = (speedup, name, shape, tokens)
@@ -451,19 +476,28 @@ class SpecController:
         return self._switch(state, best_decision)
 
     def _switch(self, state: _RequestState, best: SpecDecision) -> SpecDecision | None:
-        """Speculate with `best`, or decode plainly when it loses (probing every so often)."""
+        """Speculate with `best`, or decode plainly when it loses. A request that decodes plainly
+        probes now and then with the cheapest draft (one token), so that a change in its text is
+        noticed; each probe that confirms the loss doubles the wait for the next (from
+        `probe_every`, ×4 for a free drafter whose shadow rounds keep its numbers live), so
+        probing costs little where drafting never pays."""
         pair = self.pairs[best.drafter]
         config = self.config
         if config.adaptive and best.expected_speedup < config.min_speedup:
             state.off_rounds += 1
-            probe_every = config.probe_every
-            if self.drafters[best.drafter].kind == NGRAM:  # shadow rounds keep its numbers live
-                probe_every *= 4
-            if state.off_rounds % probe_every != 0:
+            if not state.probe_interval:
+                free = self.drafters[best.drafter].kind == NGRAM
+                state.probe_interval = config.probe_every * (4 if free else 1)
+            if state.off_rounds < state.probe_interval:
                 pair.decisions_off += 1
                 return None
-        else:
             state.off_rounds = 0
+            state.probe_interval = min(2 * state.probe_interval, MAX_PROBE_INTERVAL)
+            pair.decisions_on += 1
+            probe = TreeShape.chain(1)
+            return SpecDecision(best.drafter, probe, best.expected_tokens, best.expected_speedup)
+        state.off_rounds = 0
+        state.probe_interval = 0
         pair.decisions_on += 1
         return best
 
@@ -504,9 +538,21 @@ class SpecController:
         self._requests.setdefault(request, _RequestState()).acceptance.record(1, rank)
 
     def record_draft_cost(self, drafter: str, seconds: float, forwards: int) -> None:
-        """Seconds the drafter spent in one step over `forwards` forward passes (or lookups)."""
+        """Seconds the drafter spent in one step over `forwards` forward passes (or lookups); with
+        forwards = 0 the seconds are only accounted (see `record_draft_step_cost`)."""
         pair = self.pairs[drafter]
         pair.draft_seconds += seconds
+        if forwards > 0:
+            self.draft_cost[drafter].add(seconds / forwards)
+
+    def record_draft_prefill(self, drafter: str, tokens: int, seconds: float) -> None:
+        """The drafter prefilled `tokens` of a request's context (its first round) in `seconds`."""
+        if tokens > 0:
+            self.draft_prefill[drafter].add(seconds / tokens)
+
+    def record_draft_step_cost(self, drafter: str, forwards: int, seconds: float) -> None:
+        """The drafter's own timing of its draft steps (a new request's prompt prefill apart,
+        which is paid once and says nothing about the next round)."""
         if forwards > 0:
             self.draft_cost[drafter].add(seconds / forwards)
 

@@ -8,7 +8,9 @@ them, hands each node's ranked candidates back with `expand`, and repeats until 
 the order they were made, depth by depth, so parents always come before their children.
 
 Shapes (`TreeShape`):
-- chain(K): the top candidate at each depth, K deep. A chain is a tree with one branch.
+- chain(K): the top candidate at each depth, K deep. A chain is a tree with one branch. With
+  `min_confidence`, it stops early at a node whose own draft probability is below it (as
+  transformers' assistant confidence threshold): an unsure drafter stops drafting.
 - top-k per depth (`branching`=(k1, …, kD)): every node at depth d−1 gets its k_d best candidates.
 - static width × depth (`width`, `depth`): beam-like; at each depth the `width` new nodes with the
   highest path confidence (product of draft probabilities from the root) are kept, and all of
@@ -42,7 +44,7 @@ class TreeShape:
     width: int = 1  # beam: nodes kept per depth
     top_k: int = 1  # dynamic: candidates per expanded node, nodes expanded per depth
     budget: int = 0  # dynamic: nodes kept in the end
-    min_confidence: float = 0.0  # dynamic: nodes below this path confidence are not expanded
+    min_confidence: float = 0.0  # dynamic: path confidence, chain: own probability to go on
 
     def __post_init__(self) -> None:
         if self.kind not in SHAPE_KINDS:
@@ -59,8 +61,8 @@ class TreeShape:
             raise ValueError(f"a dynamic tree needs a budget >= 1, got {self.budget}")
 
     @staticmethod
-    def chain(k: int) -> TreeShape:
-        return TreeShape(CHAIN, k)
+    def chain(k: int, min_confidence: float = 0.0) -> TreeShape:
+        return TreeShape(CHAIN, k, min_confidence=min_confidence)
 
     @staticmethod
     def topk(*branching: int) -> TreeShape:
@@ -114,7 +116,7 @@ class TreeShape:
         if self.max_nodes <= max_nodes:
             return self
         if self.kind == CHAIN:
-            return TreeShape.chain(max_nodes)
+            return TreeShape.chain(max_nodes, self.min_confidence)
         if self.kind == DYNAMIC:
             return TreeShape.dynamic(self.depth, self.top_k, max_nodes, self.min_confidence)
         if self.kind == BEAM and self.width <= max_nodes:
@@ -286,6 +288,10 @@ class TreeBuilder:
         self._depth = depth
         if depth >= shape.depth or not made:
             self._frontier = []
+        elif (
+            shape.kind == CHAIN and shape.min_confidence and self._nodes[made[0]].prob < shape.min_confidence
+        ):
+            self._frontier = []  # an unsure drafter stops here
         elif shape.kind == DYNAMIC:
             ranked = sorted(made, key=lambda i: (-self._nodes[i].confidence, i))
             chosen = [i for i in ranked[: shape.top_k] if self._nodes[i].confidence >= shape.min_confidence]

@@ -27,6 +27,7 @@ target's decode slot. Not thread-safe: the engine thread drives it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -39,6 +40,7 @@ from polylane.runtime.model_kv import Extend, KVSequence, ModelKV
 from polylane.runtime.sampler import RequestSampler
 
 RANKED_CANDIDATES = 4  # candidates per expanded node kept for the acceptance statistics
+PREFILL_TOKENS = 8  # a catch-up longer than this per request is a prefill, not a draft step
 
 
 @dataclass
@@ -75,10 +77,21 @@ class ModelDrafter:
         self._sequences: dict[int, KVSequence] = {}  # request → committed drafter sequence
         self._nodes: dict[int, dict[int, KVSequence]] = {}  # request → node → its sequence (a round)
         self._round_base: dict[int, int] = {}  # request → context length when the round began
+        self.timed: tuple[int, float] = (0, 0.0)  # last draft: forwards timed (no prefill), seconds
+        self.prefill_timed: tuple[int, float] = (0, 0.0)  # last draft: catch-up prefill tokens, seconds
 
     @property
     def lane_name(self) -> str:
         return f"{self.name}@{self.target}"
+
+    def room(self, context_length: int) -> int:
+        """Draft tokens the drafter's context has room for after `context_length` tokens."""
+        return self.kv.model.config.max_context - context_length
+
+    def catch_up(self, request_id: int, context_length: int) -> int:
+        """Tokens it must run before drafting for this request (its whole context at first)."""
+        sequence = self._sequences.get(request_id)
+        return context_length - (sequence.num_tokens if sequence is not None else 0)
 
     @property
     def num_requests(self) -> int:
@@ -109,9 +122,19 @@ class ModelDrafter:
             extends.append(Extend(sequence, tuple(job.context[sequence.num_tokens :])))
             owners.append((job, -1))
         forwards = 0
+        # the first forward may prefill a new request's prompt: not a draft step's cost
+        caught_up = sum(len(e.token_ids) for e in extends)
+        catching_up = caught_up > PREFILL_TOKENS * len(extends)
+        self.timed, self.prefill_timed = (0, 0.0), (0, 0.0)
         while extends:
+            started = time.perf_counter()
             logits = self.kv.forward(extends)  # (R, V): one row per frontier node
             forwards += 1
+            if catching_up and forwards == 1:
+                self.prefill_timed = (caught_up, time.perf_counter() - started)
+            else:
+                timed_forwards, timed_seconds = self.timed
+                self.timed = (timed_forwards + 1, timed_seconds + time.perf_counter() - started)
             for row, (job, node) in enumerate(owners):
                 self._expand(job, builders[job.request_id], node, logits[row])
             extends, owners = self._next_depth(jobs, builders)
@@ -223,6 +246,12 @@ class NgramDrafter:
     def num_requests(self) -> int:
         return len(self._indexes)
 
+    def room(self, context_length: int) -> int:
+        return 1 << 30  # no model, no context limit
+
+    def catch_up(self, request_id: int, context_length: int) -> int:
+        return 0
+
     def draft(self, jobs: Sequence[DraftJob]) -> int:
         for job in jobs:
             index = self._indexes.get(job.request_id)
@@ -230,7 +259,7 @@ class NgramDrafter:
                 index = self._indexes[job.request_id] = NgramIndex(self.min_ngram, self.max_ngram)
             index.sync(job.context)
             branches = job.shape.branching[0] if job.shape.branching else 1
-            job.tree = index.propose(job.shape.max_nodes, max_branches=branches)
+            job.tree = index.propose(job.shape.max_nodes, max_branches=branches, depth=job.shape.depth)
             job.candidates = _trie_candidates(job.tree)
             job.forwards = 1
         return 1

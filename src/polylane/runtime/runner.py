@@ -11,6 +11,13 @@ forward is preempted (its KV, valid as far as it goes, enters the prefix cache a
 the scheduler sends it back to prefill: recompute) and the forward is retried with the rest. Any
 other failure of a forward fails the requests in it, with the error, and nothing else: the other
 models' forwards in the step and the engine go on.
+
+Speculation: when the lane owner has a `Speculator` (attached by the engine with the leases on its
+drafters' models), its decoding requests first go through `Speculator.prepare` inside the lane
+slot (drafter forwards are counted there as `drafter@target`); a speculating request's decode
+token is replaced by its verify extend in the same single forward, and `Speculator.finish` turns
+its rows into one or more tokens (the first in `StepResult.tokens`, the rest in `extra_tokens`).
+If the pool cannot hold the drafts, they are dropped before anyone is preempted.
 """
 
 from __future__ import annotations

@@ -86,6 +86,7 @@ class Speculator:
         self.controller = SpecController(target, config, pairs)
         self.drafters: dict[str, Drafter] = {}
         self._rounds: dict[int, _Round] = {}
+        self._warned: set[tuple[str, type]] = set()
         self._shadows: dict[tuple[int, str], tuple[int, list[int]]] = {}  # (request, drafter) → guess
 
     # ------------------------------------------------------------------ drafters
@@ -121,7 +122,11 @@ class Speculator:
         chosen: dict[str, list[tuple[SpecRequest, SpecDecision]]] = {}
         for request in requests:
             limit = request.max_new - 1  # the target adds one token of its own
-            decision = self.controller.decide(request.id, self.drafters, batch_size, limit)
+            # a drafter whose own context would overflow cannot draft for this request
+            length = len(request.context)
+            available = [n for n, d in self.drafters.items() if d.room(length) > limit]
+            catch_up = {n: self.drafters[n].catch_up(request.id, length) for n in available}
+            decision = self.controller.decide(request.id, available, batch_size, limit, catch_up)
             if decision is not None:
                 chosen.setdefault(decision.drafter, []).append((request, decision))
             else:
@@ -133,12 +138,21 @@ class Speculator:
             started = time.perf_counter()
             try:
                 forwards = drafter.draft(jobs)
-            except Exception:  # a drafter failure costs this round's speculation, nothing else
-                log.exception("drafter %s failed for %s; decoding plainly this round", name, self.target)
+            except Exception as error:  # a drafter failure costs this round's speculation, nothing else
+                if (name, type(error)) not in self._warned:  # once per drafter and kind of error
+                    self._warned.add((name, type(error)))
+                    log.exception("drafter %s failed for %s; decoding plainly this round", name, self.target)
                 for request, _ in items:
                     drafter.settle(request.id, request.context)
                 continue
-            self.controller.record_draft_cost(name, time.perf_counter() - started, forwards)
+            seconds = time.perf_counter() - started
+            timed = getattr(drafter, "timed", None)
+            if timed is not None:  # a model drafter times its draft steps, prompt prefill apart
+                self.controller.record_draft_cost(name, seconds, 0)
+                self.controller.record_draft_step_cost(name, *timed)
+                self.controller.record_draft_prefill(name, *drafter.prefill_timed)
+            else:
+                self.controller.record_draft_cost(name, seconds, forwards)
             for (request, decision), job in zip(items, jobs, strict=True):
                 base = request.sequence.num_tokens
                 extend = verify_extend(request.sequence, request.context[-1], job.tree)
