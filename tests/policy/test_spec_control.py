@@ -142,6 +142,17 @@ def test_a_drafters_prompt_prefill_must_pay_for_itself():
     assert controller.decide(3, ["small"], batch_size=1, max_nodes=4, catch_up={"small": 1}) is not None
 
 
+def test_plain_steps_measure_the_baseline_now_and_then():
+    controller = _controller()
+    assert controller.plain_step_due(3)  # t(3) never measured: decode plainly and measure it
+    controller.record_target_forward(3, 0.05)  # the first of a shape is warm-up
+    assert controller.plain_step_due(3)
+    controller.record_target_forward(3, 0.05)
+    due = [controller.plain_step_due(3) for _ in range(130)]
+    assert due.count(True) == 2 and not any(due[:64])  # then one every REMEASURE_EVERY steps
+    assert not _controller(SpeculationConfig(adaptive=False)).plain_step_due(1)
+
+
 def test_max_nodes_limits_the_shape():
     controller = _controller()
     _costs(controller)

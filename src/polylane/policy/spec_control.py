@@ -46,6 +46,7 @@ MODES = ("auto", "chain", "tree")
 MAX_DEPTH = 12  # depths tracked by the acceptance statistics
 MAX_RANK = 4  # ranks tracked (candidates a drafter offers per node)
 PREFILL_SPEEDUP = 16  # prior: a prefilled token costs this much less than a decode step
+REMEASURE_EVERY = 64  # speculative steps between two plain ones (the baseline is re-measured)
 MAX_PROBE_INTERVAL = 1024  # rounds between probes of a request that decodes plainly, at most
 
 
@@ -278,6 +279,10 @@ class LinearCost:
     def seen(self) -> bool:
         return bool(self.means)
 
+    def measured(self, tokens: int) -> bool:
+        """Whether forwards over exactly this many tokens have been measured (past warm-up)."""
+        return tokens in self.means
+
     def predict(self, tokens: int) -> float:
         if not self.means:
             return 0.0
@@ -380,6 +385,7 @@ class SpecController:
         self.shape_tokens: dict[tuple[str, TreeShape], Ema] = {}
         self._requests: dict[int, _RequestState] = {}
         self._shape_cache: dict[str, list[tuple[TreeShape, int, int]]] = {}
+        self._steps_since_plain: dict[int, int] = {}  # batch size → steps since a plain one
 
     # ------------------------------------------------------------------ setup
 
@@ -500,6 +506,21 @@ class SpecController:
         state.probe_interval = 0
         pair.decisions_on += 1
         return best
+
+    def plain_step_due(self, batch_size: int) -> bool:
+        """Whether this step should decode plainly for every request, to measure the baseline
+        t(B) the decisions compare against: never measured for this batch size, or not for
+        `REMEASURE_EVERY` steps (speculation that is always on would otherwise be judged against
+        a guess, or against a stale number when the machine's load changes)."""
+        if not self.config.adaptive or not self.drafters:
+            return False
+        batch = max(1, batch_size)
+        since = self._steps_since_plain.get(batch, 0)
+        if not self.verify_cost.measured(batch) or since >= REMEASURE_EVERY:
+            self._steps_since_plain[batch] = 0
+            return True
+        self._steps_since_plain[batch] = since + 1
+        return False
 
     # ------------------------------------------------------------------ feedback
 

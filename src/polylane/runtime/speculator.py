@@ -119,6 +119,10 @@ class Speculator:
         """Decide and draft; the verify extend of every request that speculates this round."""
         if not self.drafters:
             return {}
+        if self.controller.plain_step_due(batch_size):  # measure the baseline now and then
+            for request in requests:
+                self._shadow(request)
+            return {}
         chosen: dict[str, list[tuple[SpecRequest, SpecDecision]]] = {}
         for request in requests:
             limit = request.max_new - 1  # the target adds one token of its own
