@@ -65,7 +65,8 @@ class SpeculationConfig:
     max_draft_tokens: the longest chain, and the deepest tree.
     max_tree_nodes: the most draft nodes a tree may have.
     adaptive: let the controller switch speculation off when it loses to plain decode.
-    min_speedup: the expected speedup below which a request decodes plainly.
+    min_speedup: the expected speedup below which a request decodes plainly (a margin over 1:
+        the estimate is noisy, and a marginal draft that loses costs more than one that wins gains).
     probe_every: rounds between retries for a request that decodes plainly.
     ngram_min / ngram_max: the n-gram sizes prompt lookup matches.
     draft_confidence: a model drafter's chain stops at a token it gives less than this probability
@@ -78,7 +79,7 @@ class SpeculationConfig:
     max_draft_tokens: int = 8
     max_tree_nodes: int = 24
     adaptive: bool = True
-    min_speedup: float = 1.02
+    min_speedup: float = 1.1
     probe_every: int = 16
     ngram_min: int = 1
     ngram_max: int = 3
