@@ -45,7 +45,7 @@ AUTO = "auto"
 MODES = ("auto", "chain", "tree")
 MAX_DEPTH = 12  # depths tracked by the acceptance statistics
 MAX_RANK = 4  # ranks tracked (candidates a drafter offers per node)
-PREFILL_SPEEDUP = 16  # prior: a prefilled token costs this much less than a decode step
+PREFILL_SPEEDUP = 8  # prior: a prefilled token costs this much less than a decode step
 REMEASURE_EVERY = 64  # speculative steps between two plain ones (the baseline is re-measured)
 MAX_PROBE_INTERVAL = 1024  # rounds between probes of a request that decodes plainly, at most
 
