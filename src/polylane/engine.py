@@ -502,6 +502,11 @@ class Engine:
             result.finished[request_id] = reason
             self.runner.finish(request_id, cache=True)
             self._end(request_id, reason, None, text, tuple(tokens))
+        # Requests ended here gave their blocks back (free, or evictable in the prefix tree) after
+        # the runner counted them: count again, or an idle engine keeps the stale count and a
+        # waiting request that needs those blocks is never admitted.
+        for model in result.free_blocks:
+            result.free_blocks[model] = self.runner.free_blocks(model)
 
     def _end(
         self, request_id: int, reason: str, error: str | None, text: str = "", tokens: tuple[int, ...] = ()

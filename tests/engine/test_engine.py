@@ -146,6 +146,22 @@ def test_preemption_when_kv_runs_out_loses_nothing():
         assert result.token_ids == expected
 
 
+def test_blocks_a_finished_request_leaves_in_the_prefix_tree_admit_the_next_one():
+    """A pool that holds one long prompt at a time: the second request, waiting from the start,
+    needs the blocks the first one left cached (evictable) when it finished — with nothing else
+    running, no later step would count them again."""
+    prompt = " ".join(f"item {i}," for i in range(120))  # ~610 tokens with the template; 2 x 610 > 1024
+    config = EngineConfig(budget_bytes=4 * 2**30)
+    with Engine(config) as engine:
+        engine.add_model(SMOL, dtype=DTYPE, kv_tokens=1024)
+        params = SamplingParams(max_tokens=3)
+        handles = [engine.submit(SMOL, prompt + suffix, params=params) for suffix in (" first", " second")]
+        first, second = (handle.result(timeout=120) for handle in handles)
+        assert 2 * (first.prompt_tokens + 3) > 1024, "the two requests must not fit the pool together"
+        _assert_blocks_returned(engine)
+    assert first.finish_reason == second.finish_reason == "length"
+
+
 def test_stop_string_split_across_two_tokens_is_never_emitted():
     with Engine(EngineConfig(budget_bytes=4 * 2**30)) as engine:
         served = engine.add_model(SMOL, dtype=DTYPE, kv_tokens=KV_TOKENS)
