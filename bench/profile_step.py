@@ -1,6 +1,6 @@
 """Profile one decode step of polylane's decoder: where the time goes, by category and by op.
 
-Run:  python bench/profile_step.py [--model smollm2-135m-instruct] [--dtype fp32|bf16]
+Run:  python bench/profile_step.py [--model smollm2-135m-instruct] [--dtype fp32|bf16|int8|int4]
       [--context 32] [--batch 1] [--steps 10] [--threads 2]
 
 Prints the median wall time of a decode step (--batch sequences, one new token each, after
@@ -39,6 +39,7 @@ WEIGHT_OPS = {
     "aten::matmul",
     "aten::_weight_int8pack_mm",
     "aten::_weight_int4pack_mm",
+    "aten::_weight_int4pack_mm_for_cpu",
 }
 ATTENTION_OPS = {
     "aten::bmm",
@@ -65,7 +66,7 @@ def category(name: str, shapes: list) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "int8", "int4"])
     parser.add_argument("--context", type=int, default=32)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=10)

@@ -7,6 +7,7 @@ reference: it dequantises the same file to float32 and runs its own implementati
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from dataclasses import dataclass
 
@@ -87,9 +88,10 @@ def model_pair(request, load_real_model):
     ours = load_real_model(name)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    hf = AutoModelForCausalLM.from_pretrained(
-        source.path.parent, gguf_file=source.path.name, dtype=torch.float32
-    ).eval()
+    with _one_gguf_reader_per_file():
+        hf = AutoModelForCausalLM.from_pretrained(
+            source.path.parent, gguf_file=source.path.name, dtype=torch.float32
+        ).eval()
     prompt_ids = _prompt_ids(ours.tokenizer, name)
     last_logits, greedy = {}, {}
     for key, ids in prompt_ids.items():
@@ -99,6 +101,28 @@ def model_pair(request, load_real_model):
     yield ours, Reference(prompt_ids, last_logits, greedy)
     unload_real_model(name)
     gc.collect()
+
+
+@contextlib.contextmanager
+def _one_gguf_reader_per_file():
+    """transformers opens the GGUF twice (config, then weights), and `gguf.GGUFReader` parses every
+    metadata field in Python each time — half a minute for a 150k–262k-token vocabulary. The
+    reader is read-only (a memory map), so both opens may share one."""
+    import gguf
+
+    original, readers = gguf.GGUFReader, {}
+
+    def shared_reader(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = original(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = shared_reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 _OURS: dict[tuple[str, tuple[int, ...]], object] = {}
