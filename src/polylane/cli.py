@@ -16,6 +16,7 @@ import sys
 import time
 
 from polylane import catalog
+from polylane.types import WEIGHT_DTYPES
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -206,7 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="TOML file declaring models (dtype, pinned, aliases) and limits")
     serve.add_argument("--budget", help="memory budget: bytes, a size like 6GiB, or auto (half of free RAM)")
     serve.add_argument("--pin", action="append", help="never evict this model for room (repeatable)")
-    serve.add_argument("--dtype", choices=["fp32", "bf16"], help="weight dtype for every model")
+    serve.add_argument(
+        "--dtype",
+        choices=WEIGHT_DTYPES,
+        help="weight dtype for every model (int8/int4: weight-only quantised projections)",
+    )
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--api-key", help="require this key on every route but /health ($POLYLANE_API_KEY)")
@@ -257,7 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("prompt", help="the prompt (a user message for chat models)")
     generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
     generate.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
-    generate.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weight dtype")
+    generate.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=WEIGHT_DTYPES,
+        help="weight dtype (int8/int4: weight-only quantised projections)",
+    )
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     generate.add_argument("--top-k", type=int, default=0, help="0 = off")
     generate.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")

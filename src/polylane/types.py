@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from polylane.policy.sequence_blocks import validate_tree
 
+# Weight dtypes a model can be served at: float32, bfloat16, or weight-only int8 / int4 projections
+# (`runtime.quantize`: torch's CPU kernels, float32 activations and KV around them).
+WEIGHT_DTYPES = ("fp32", "bf16", "int8", "int4")
+
 # Below this a temperature samples as greedy does: dividing logits by, say, 1e-300 overflows the
 # sampler's floats to inf and NaN.
 GREEDY_BELOW_TEMPERATURE = 1e-4

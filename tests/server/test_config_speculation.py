@@ -1,4 +1,4 @@
-"""`speculation` in the serve config: forms it takes, and a bad value named in the error."""
+"""`speculation` and `dtype` in the serve config: forms they take, and a bad value named in the error."""
 
 from __future__ import annotations
 
@@ -33,3 +33,10 @@ def test_speculation_forms():
 def test_bad_speculation_is_a_config_error(value):
     with pytest.raises(ConfigError, match=r"models\[0\]: speculation"):
         _models([{"name": "a", "speculation": value}])
+
+
+def test_weight_dtypes_in_the_config():
+    models = _models([{"name": "a", "dtype": "int4"}, {"name": "b", "dtype": "int8"}, {"name": "c"}])
+    assert [m.dtype for m in models] == ["int4", "int8", "fp32"]
+    with pytest.raises(ConfigError, match=r"models\[0\]: dtype must be one of fp32, bf16, int8, int4"):
+        _models([{"name": "a", "dtype": "fp16"}])

@@ -19,6 +19,7 @@ from typing import Any
 from polylane import catalog
 from polylane.bench.systems import BASELINES, DEFAULT_BASELINES
 from polylane.bench.workloads import DEFAULTS, WORKLOADS
+from polylane.types import WEIGHT_DTYPES
 
 SMALL_MODELS = ("smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-instruct")
 DEFAULT_MODELS = {
@@ -69,7 +70,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     bench.add_argument("--prompt-tokens", type=int, default=512, help="single: prefill prompt length")
     bench.add_argument("--batch", type=int, default=8, help="single: streams of the batch phase")
     bench.add_argument("--prefixes", type=int, default=3, help="shared-prefix: distinct system prompts")
-    bench.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="weight dtype, every system")
+    bench.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=WEIGHT_DTYPES,
+        help="weight dtype, every system (transformers runs int8/int4 at bf16: it has no such CPU kernels)",
+    )
     bench.add_argument("--threads", type=int, default=0, help="torch threads per process (0: default)")
     bench.add_argument("--budget", default="64GiB", help="polylane's memory budget (bytes, 6GiB, auto)")
     bench.add_argument("--kv-tokens", type=int, default=2048, help="KV cache tokens per model")

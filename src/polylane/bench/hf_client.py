@@ -41,7 +41,9 @@ def load_hf_model(source: str, dtype: str) -> Any:
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    # transformers has no weight-only int8/int4 CPU path: a quantised polylane run is compared
+    # with transformers at bf16, the nearest it has.
+    torch_dtype = {"fp32": torch.float32}.get(dtype, torch.bfloat16)
     resolved = catalog.resolve(source, quiet=True)
     file = Path(resolved.path)
     if resolved.format == "gguf":
