@@ -1,7 +1,7 @@
 """Profile one decode step of polylane's decoder: where the time goes, by category and by op.
 
 Run:  python bench/profile_step.py [--model smollm2-135m-instruct] [--dtype fp32|bf16|int8|int4]
-      [--context 32] [--batch 1] [--steps 10] [--threads 2]
+      [--context 32] [--batch 1] [--steps 10] [--threads 2] [--pieces]
 
 Prints the median wall time of a decode step (--batch sequences, one new token each, after
 prompts of --context tokens; median of 40 steps), then a torch.profiler run of --steps steps:
@@ -14,7 +14,9 @@ prompts of --context tokens; median of 40 steps), then a torch.profiler run of -
   temperature 0.8 / top-p 0.9 (`RequestSampler`), measured outside the profiler;
 - the per-op table (grouped by input shape), sorted by self CPU time.
 The profiler adds overhead of its own, so its wall time per step is reported next to the plain
-one. The last stdout line is one JSON document with every number.
+one. With --pieces, the parts of one layer (norm, attention and its projections, MLP and its
+projections) and the output projection are also timed alone, outside the profiler (microseconds
+per call, batch rows of one new token each). The last stdout line is one JSON document with every number.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from polylane.runtime.batch import build_forward_batch
 from polylane.runtime.kv_cache import PagedKVCache
+from polylane.runtime.layers import ForwardContext
 from polylane.runtime.loaded_model import load_model
 from polylane.runtime.sampler import RequestSampler, sample_rows
 from polylane.types import SamplingParams, SequenceChunk
@@ -63,6 +66,44 @@ def category(name: str, shapes: list) -> str:
     return "elementwise and norms"
 
 
+def _microseconds(call, repeats: int = 200) -> float:
+    for _ in range(10):
+        call()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    return (time.perf_counter() - started) / repeats * 1e6
+
+
+@torch.inference_mode()
+def time_pieces(model, cache, tables, length: int, block_size: int) -> dict[str, float]:
+    """Microseconds per call of one middle layer's parts and of the output projection."""
+    module = model.module
+    chunks = [SequenceChunk((5,), length, t) for t in tables]
+    batch = build_forward_batch(chunks, block_size, model.config)
+    rotary = {kind: table.lookup(batch.positions) for kind, table in module._rotary.items()}
+    context = ForwardContext(batch, cache, rotary)
+    rows = len(tables)
+    activations = torch.float32 if model.dtype == torch.float32 else model.dtype
+    hidden = torch.randn(rows, model.config.hidden_size, dtype=activations)
+    inner = torch.randn(rows, model.config.intermediate_size, dtype=activations)
+    layer = module.layers[len(module.layers) // 2]
+    attention, mlp = layer.self_attn, layer.mlp
+    return {
+        "whole forward": _microseconds(lambda: module(batch, cache), 50),
+        "build batch layout": _microseconds(lambda: build_forward_batch(chunks, block_size, model.config)),
+        "one layer": _microseconds(lambda: layer(hidden, context)),
+        "  input norm": _microseconds(lambda: layer.input_layernorm(hidden)),
+        "  attention": _microseconds(lambda: attention(hidden, context)),
+        "    qkv projection": _microseconds(lambda: attention.qkv_proj(hidden)),
+        "    output projection": _microseconds(lambda: attention.o_proj(hidden)),
+        "  mlp": _microseconds(lambda: mlp(hidden)),
+        "    gate/up projection": _microseconds(lambda: mlp.gate_up_proj(hidden)),
+        "    down projection": _microseconds(lambda: mlp.down_proj(inner)),
+        "output logits": _microseconds(lambda: module.output_logits(hidden), 50),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -71,6 +112,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--pieces", action="store_true", help="also time one layer's parts alone")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(args.model, args.dtype, quiet=True)
@@ -138,6 +180,9 @@ def main() -> None:
         f"temperature 0.8 / top-p 0.9 {sampling['top_p']:.2f} ms\n"
     )
     print(averages.table(sort_by="self_cpu_time_total", row_limit=15))
+    pieces = time_pieces(model, cache, tables, length, block_size) if args.pieces else {}
+    for name, us in pieces.items():
+        print(f"  {name:28s} {us:8.1f} us")
     print(
         json.dumps(
             {
@@ -151,6 +196,7 @@ def main() -> None:
                 "categories_ms": categories,
                 "sampling_ms": sampling,
                 "threads": args.threads,
+                "pieces_us": pieces,
             }
         )
     )
