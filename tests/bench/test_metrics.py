@@ -163,6 +163,55 @@ def test_engine_counters_delta_and_summary() -> None:
     assert EngineCounters.from_dict(after.to_dict()) == after
 
 
+def test_speculation_and_cross_model_counters_over_a_phase() -> None:
+    before = EngineCounters(
+        speculation=SpeculationCounters(10, 5, 8, 3, chain_rounds=3, decisions_on=3),
+        cross_model_hits={"sibling": 1},
+        cross_model_tokens={"sibling": 64},
+        cross_model_layer_tokens={"sibling": 64 * 15},
+    )
+    after = EngineCounters(
+        speculation=SpeculationCounters(
+            30, 20, 28, 8, chain_rounds=5, tree_rounds=3, decisions_on=8, decisions_off=4
+        ),
+        cross_model_hits={"sibling": 3, "alias": 1},
+        cross_model_tokens={"sibling": 192, "alias": 64},
+        cross_model_layer_tokens={"sibling": 192 * 15, "alias": 64 * 30},
+    )
+    delta = after.delta(before)
+    assert delta.speculation == SpeculationCounters(20, 15, 20, 5, 2, 3, 5, 4)
+    summary = engine_summary(delta)
+    assert summary["speculation"]["tree_rounds"] == 3 and summary["speculation"]["decisions_off"] == 4
+    assert summary["cross_model"] == {
+        "alias": {"hits": 1, "imported_tokens": 64, "layers_per_token": 30.0},
+        "sibling": {"hits": 2, "imported_tokens": 128, "layers_per_token": 15.0},
+    }
+    assert (
+        engine_summary(EngineCounters(cross_model_tokens={"x": 16}))["cross_model"]["x"]["layers_per_token"]
+        is None
+    )
+    assert engine_summary(EngineCounters())["cross_model"] is None
+    assert EngineCounters.from_dict(after.to_dict()) == after
+    merged = merge_counters([before, after])
+    assert merged.speculation == SpeculationCounters(40, 25, 36, 11, 8, 3, 11, 4)
+    assert merged.cross_model_tokens == {"sibling": 256, "alias": 64}
+
+
+def test_per_category_summary() -> None:
+    timelines = [
+        RequestTimeline("p", "provider", "provider", 0.0, 4.0, 4.0, 2000, 0, 1, "length"),
+        RequestTimeline("s", "sibling", "shared", 4.0, 6.0, 6.0, 2000, 0, 1, "length"),
+        RequestTimeline("c", "sibling", "cold", 6.0, 10.0, 12.0, 2000, 0, 5, "length"),
+    ]
+    per_category = summarise(timelines)["per_category"]
+    assert list(per_category) == ["provider", "shared", "cold"]
+    assert per_category["shared"]["ttft_p50_s"] == pytest.approx(2.0)
+    assert per_category["cold"]["ttft_p50_s"] == pytest.approx(4.0)
+    assert per_category["cold"]["stream_decode_tokens_per_s"] == pytest.approx(2.0)
+    assert per_category["shared"]["stream_decode_tokens_per_s"] is None
+    assert per_category["provider"]["prompt_tokens"] == 2000 and per_category["cold"]["requests"] == 1
+
+
 def test_merged_counters_of_separate_processes_observe_no_concurrency() -> None:
     a = EngineCounters(decode_steps=5, lane_steps={"a": 5}, max_concurrent_decode=1, residency_hits=1)
     b = EngineCounters(decode_steps=15, lane_steps={"b": 15}, max_concurrent_decode=1, residency_hits=2)

@@ -115,21 +115,45 @@ def test_shared_prefix_requests_reuse_the_system_prompt(
     assert polylane["prefix_hit_rate"] > 0.3
 
 
-def test_spec_with_transformers_assisted_baseline(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_spec_with_ngram_chain_and_tree_against_transformers_lookup(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # adaptive off: every round with an n-gram match drafts, so the counters cannot stay empty
+    speculation = json.dumps({"drafters": ["ngram"], "adaptive": False})
     results, last = bench(
-        capsys, tmp_path, "spec", "--requests", "1", "--max-tokens", "6",
-        "--baseline", "transformers-assisted",
+        capsys, tmp_path, "spec", "--speculation", speculation, "--spec-mode", "chain", "tree",
+        "--categories", "repetitive", "--requests", "1", "--max-tokens", "8",
+        "--baseline", "transformers-lookup",
     )  # fmt: skip
-    assert [p["name"] for p in results["phases"]] == ["drafting-pays", "drafting-does-not-pay"]
-    for phase in ("drafting-pays", "drafting-does-not-pay"):
-        spec = results["speculation"][phase]
-        assert spec["acceptance_rate"] is None, "the engine does not report speculation yet"
-        assert spec["speedup"]["transformers-assisted"] is not None
-        for system in ("polylane", "transformers-assisted"):
-            summary = results["systems"][system]["summary"][phase]
-            assert 1 <= summary["output_tokens"] <= 6
-        assert results["systems"]["transformers-assisted"]["summary"][phase]["engine"] is None
-    assert "speculation" in last
+    assert list(results["systems"]) == ["polylane", "polylane-tree", "transformers-lookup"]
+    assert [p["name"] for p in results["phases"]] == ["repetitive"]
+    spec = results["speculation"]["repetitive"]
+    for system in ("polylane", "polylane-tree"):
+        row = spec["systems"][system]
+        assert row["verify_steps"] and row["drafted_tokens"], f"{system}: no speculation counted: {row}"
+        assert 0 <= row["acceptance_rate"] <= 1 and row["tokens_per_verify"] >= 1
+        assert row["speedup"]["transformers-lookup"] is not None
+    assert spec["systems"]["polylane"]["tree_rounds"] == 0, "mode chain drafted a tree"
+    outputs = {s: results["systems"][s]["summary"]["repetitive"]["output_tokens"] for s in results["systems"]}
+    assert all(1 <= n <= 8 for n in outputs.values()), outputs
+    assert results["systems"]["transformers-lookup"]["summary"]["repetitive"]["engine"] is None
+    assert last["speculation"]["repetitive"]["acceptance_rate"] is not None
+
+
+def test_cross_model_shared_prefix_imports_the_providers_prefix(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    results, last = bench(
+        capsys, tmp_path, "shared-prefix", "--cross-model", "--models", SMOL, f"alias={SMOL}",
+        "--requests", "1", "--prompt-tokens", "64", "--baseline", "none",
+    )  # fmt: skip
+    row = results["cross_model"]["alias"]["polylane"]
+    assert row["cross_model"]["imported_tokens"] >= 32, row
+    assert row["cross_model"]["hits"] == 1 and row["cross_model"]["layers_per_token"] == 30
+    categories = results["systems"]["polylane"]["summary"]["alias"]["per_category"]
+    assert {c: categories[c]["requests"] for c in categories} == {"provider": 1, "shared": 1, "cold": 1}
+    assert row["shared_ttft_p50_s"] > 0 and row["cold_ttft_p50_s"] > 0
+    assert last["cross_model"]["alias"]["polylane"]["speedup"] is not None
 
 
 def _free_port() -> int:

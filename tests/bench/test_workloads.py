@@ -91,14 +91,48 @@ def test_shared_prefix_requests_share_long_system_prompts_within_a_repeat() -> N
     assert not set(systems) & {r.system for r in next_repeat.requests}
 
 
-def test_spec_phases_split_by_whether_drafting_pays() -> None:
-    workload = build("spec", WorkloadOptions(models=("a", "b"), requests=5))
-    pays, does_not = workload.phases
-    assert pays.name == "drafting-pays" and does_not.name == "drafting-does-not-pay"
-    assert {r.category for r in pays.requests} <= set(workloads.DRAFTING_PAYS)
-    assert {r.category for r in does_not.requests} == {"creative"}
-    assert all(not r.ignore_eos for p in workload.phases for r in p.requests)
-    assert [r.model for r in pays.requests] == ["a", "b", "a", "b", "a"]
+def test_spec_has_one_phase_per_category_all_to_the_target() -> None:
+    workload = build("spec", WorkloadOptions(models=("target", "drafter"), requests=5))
+    assert (
+        [p.name for p in workload.phases] == list(workloads.SPEC_CATEGORIES) == ["code", "chat", "extraction"]
+    )
+    for phase in workload.phases:
+        assert {r.category for r in phase.requests} == {phase.name}
+        assert {r.model for r in phase.requests} == {"target"}, "the other models only draft"
+        assert len(phase.requests) == 5 and phase.concurrency == 1
+        assert all(not r.ignore_eos for r in phase.requests)
+    chosen = build("spec", WorkloadOptions(models=("t",), requests=2, categories=("repetitive", "creative")))
+    assert [p.name for p in chosen.phases] == ["repetitive", "creative"]
+    with pytest.raises(ValueError):
+        WorkloadOptions(models=("t",), categories=("no-such-kind",))
+
+
+def test_cross_model_shared_prefix_prefills_on_the_provider_first() -> None:
+    options = WorkloadOptions(
+        models=("provider", "sibling", "alias"), requests=3, prompt_tokens=2000, cross_model=True
+    )
+    workload = build("shared-prefix", options)
+    assert [p.name for p in workload.phases] == ["sibling", "alias"]
+    assert workload.options.max_tokens == 1 and workload.options.requests == 3
+    for phase in workload.phases:
+        assert phase.concurrency == 1 and len(phase.requests) == 9
+        kinds = []
+        for i in range(3):
+            provider, first, second = phase.requests[3 * i : 3 * i + 3]
+            assert provider.model == "provider" and provider.category == "provider"
+            by_kind = {first.category: first, second.category: second}
+            assert set(by_kind) == {"shared", "cold"}
+            assert by_kind["shared"].model == by_kind["cold"].model == phase.name
+            assert by_kind["shared"].text() == provider.text(), "the consumer gets the provider's prompt"
+            assert by_kind["cold"].text() != provider.text()
+            assert 1300 <= len(provider.text().split()) <= 1600  # ~0.75 words per token
+            assert not provider.chat and provider.max_tokens == 1
+            kinds.append(first.category)
+        assert kinds == ["shared", "cold", "shared"], "the order alternates, so drift hits both alike"
+    texts = [r.text() for p in workload.phases for r in p.requests if r.category != "shared"]
+    assert len(set(texts)) == len(texts), "every provider and cold prompt is new"
+    with pytest.raises(ValueError):
+        WorkloadOptions(models=("provider",), cross_model=True)
 
 
 def test_phase_only_scales_concurrency_to_the_model_share() -> None:

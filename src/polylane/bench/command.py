@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from polylane import catalog
-from polylane.bench.systems import BASELINES, DEFAULT_BASELINES
-from polylane.bench.workloads import DEFAULTS, WORKLOADS
+from polylane.bench.systems import BASELINES, DEFAULT_BASELINES, SPEC_MODES, VARIANT_PREFIX, with_mode
+from polylane.bench.workloads import DEFAULTS, PROMPT_CATEGORIES, SPEC_CATEGORIES, WORKLOADS
 from polylane.types import WEIGHT_DTYPES
 
 SMALL_MODELS = ("smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-instruct")
@@ -27,13 +27,16 @@ DEFAULT_MODELS = {
     "mix": SMALL_MODELS,
     "shared-prefix": (catalog.DEFAULT_MODEL,),
     "spec": (catalog.DEFAULT_MODEL,),
+    # the provider, its sibling sharing layers [0, 15) of SmolLM2's 30, and an alias (every layer)
+    "cross-model": (catalog.DEFAULT_MODEL, "sibling=sibling:15", f"alias={catalog.DEFAULT_MODEL}"),
 }
+CROSS_MODEL_PROMPT_TOKENS = 2000
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     defaults = "; ".join(
         f"{w}: {d['requests']} requests, {d['max_tokens']} tokens, concurrency {d['concurrency']}, "
-        f"rate {d['rate']}/s, baselines {' '.join(DEFAULT_BASELINES[w])}"
+        f"rate {d['rate']}/s, baselines {' '.join(DEFAULT_BASELINES.get(w, ('plain',)))}"
         for w, d in DEFAULTS.items()
     )
     bench = commands.add_parser(
@@ -46,8 +49,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     bench.add_argument(
         "--models",
         nargs="+",
-        help="catalogue names or paths, or NAME=SOURCE to serve one file under another name "
-        f"(default: {catalog.DEFAULT_MODEL}; mix: the three small models)",
+        help="catalogue names or paths, or NAME=SOURCE to serve one file under another name; SOURCE "
+        "sibling:N is the first model's sibling with its top N layers changed (written once under "
+        f"the cache). Default: {catalog.DEFAULT_MODEL}; mix: the three small models; spec: the target "
+        "first, then models that only draft for it; shared-prefix --cross-model: the provider first, "
+        f"then its consumers (default {' '.join(DEFAULT_MODELS['cross-model'])})",
     )
     bench.add_argument(
         "--baseline",
@@ -67,9 +73,42 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     bench.add_argument("--concurrency", type=int, help="most requests in flight (0: no cap)")
     bench.add_argument("--rate", type=float, help="Poisson arrivals per second (0: all at once)")
     bench.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of model popularity")
-    bench.add_argument("--prompt-tokens", type=int, default=512, help="single: prefill prompt length")
+    bench.add_argument(
+        "--prompt-tokens",
+        type=int,
+        help=f"single: prefill prompt length (512); shared-prefix --cross-model: the shared prompt's "
+        f"({CROSS_MODEL_PROMPT_TOKENS})",
+    )
     bench.add_argument("--batch", type=int, default=8, help="single: streams of the batch phase")
     bench.add_argument("--prefixes", type=int, default=3, help="shared-prefix: distinct system prompts")
+    bench.add_argument(
+        "--cross-model",
+        action="store_true",
+        help="shared-prefix: the prefill shared across models: the first model prefills each prompt, "
+        "then every other model (a sibling or an alias) gets it and an unseen one",
+    )
+    bench.add_argument(
+        "--categories",
+        nargs="+",
+        choices=PROMPT_CATEGORIES,
+        help=f"spec: prompt categories, one phase each (default {' '.join(SPEC_CATEGORIES)})",
+    )
+    bench.add_argument(
+        "--speculation",
+        nargs="+",
+        metavar="DRAFTER",
+        help="polylane's speculation for the first model, as Engine.add_model takes it: drafters "
+        "(ngram, twin, twin:int8, a served model's name, auto), true, off, or one JSON object of "
+        'SpeculationConfig fields, e.g. \'{"drafters": ["ngram"], "shape": "chain:4", '
+        '"adaptive": false}\' (default: spec auto, every other workload off)',
+    )
+    bench.add_argument(
+        "--spec-mode",
+        nargs="+",
+        choices=SPEC_MODES,
+        help="speculation mode of polylane (the first), and of one more system per further mode "
+        "(polylane-chain, polylane-tree, …) run beside it in the same invocation",
+    )
     bench.add_argument(
         "--dtype",
         default="fp32",
@@ -78,12 +117,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     bench.add_argument("--threads", type=int, default=0, help="torch threads per process (0: default)")
     bench.add_argument("--budget", default="64GiB", help="polylane's memory budget (bytes, 6GiB, auto)")
-    bench.add_argument("--kv-tokens", type=int, default=2048, help="KV cache tokens per model")
+    bench.add_argument(
+        "--kv-tokens",
+        type=int,
+        help="KV cache tokens per model (default 2048; shared-prefix --cross-model: 4 × (prompt + 64))",
+    )
     bench.add_argument(
         "--lane-policy", default="throughput", choices=["fcfs", "round-robin", "priority", "throughput"]
     )
     bench.add_argument(
-        "--drafter", help="transformers-assisted: the assistant model (default: prompt lookup)"
+        "--drafter",
+        help="transformers-assisted: the assistant model (default: polylane's drafter model when "
+        "--speculation names one or is auto with a second model, else prompt lookup)",
     )
     bench.add_argument("--timeout", type=float, default=3600, help="seconds one phase run may take")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -136,10 +181,23 @@ def run(args: argparse.Namespace) -> int:
     if args.rebuild:
         results = harness.rebuild(json.loads((out / "results.json").read_text()))
         return _write(results, out)
-    models = _models(args.models or list(DEFAULT_MODELS[args.workload]))
-    baselines = tuple(args.baseline or DEFAULT_BASELINES[args.workload])
+    cross_model = bool(args.cross_model)
+    if cross_model and args.workload != "shared-prefix":
+        raise ValueError("--cross-model is a mode of the shared-prefix workload")
+    default_models = DEFAULT_MODELS["cross-model" if cross_model else args.workload]
+    models = _models(args.models or list(default_models))
+    speculation = speculation_setting(args.speculation, args.spec_mode, args.workload)
+    drafter = args.drafter
+    if drafter is None and speculation is not None:
+        drafter = assistant_source(models, speculation)
+    elif drafter is not None:
+        drafter = dict(models).get(drafter, drafter)  # a served name: its source
+    baselines = tuple(args.baseline or default_baselines(args.workload, drafter))
     if "none" in baselines:
         baselines = ()
+    variants = tuple(f"{VARIANT_PREFIX}{mode}" for mode in dict.fromkeys((args.spec_mode or [])[1:]))
+    prompt_tokens = args.prompt_tokens or (CROSS_MODEL_PROMPT_TOKENS if cross_model else 512)
+    kv_tokens = args.kv_tokens or (max(2048, 4 * (prompt_tokens + 64)) if cross_model else 2048)
     options = WorkloadOptions(
         models=tuple(n for n, _ in models),
         seed=args.seed,
@@ -148,18 +206,23 @@ def run(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         rate=args.rate,
         zipf_s=args.zipf,
-        prompt_tokens=args.prompt_tokens,
+        prompt_tokens=prompt_tokens,
         batch=args.batch,
         prefixes=args.prefixes,
+        categories=tuple(args.categories or SPEC_CATEGORIES),
+        cross_model=cross_model,
     )
     settings = SystemSettings(
         models=models,
         dtype=args.dtype,
         budget_bytes=parse_size(args.budget),
-        kv_tokens=args.kv_tokens,
+        kv_tokens=kv_tokens,
         lane_policy=args.lane_policy,
         threads=args.threads,
-        drafter=args.drafter,
+        drafter=drafter,
+        speculation=speculation,
+        # spec: every request goes to the target; the other models only draft for it
+        baseline_models=models[:1] if args.workload == "spec" else None,
     )
     config = harness.BenchConfig(
         workload=args.workload,
@@ -172,8 +235,60 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         timeout_s=args.timeout,
         command=command_line(args),
+        variants=variants,
     )
     return _write(harness.run(config), out)
+
+
+def speculation_setting(words: list[str] | None, modes: list[str] | None, workload: str) -> Any:
+    """polylane's speculation for the first model from --speculation and --spec-mode, as
+    `Engine.add_model(speculation=...)` takes it (JSON-able), checked; None: no speculation."""
+    from polylane.policy.spec_control import SpeculationConfig
+
+    value: Any
+    if not words:
+        value = True if workload == "spec" else None
+    elif len(words) == 1 and words[0].lstrip().startswith("{"):
+        value = json.loads(words[0])
+    elif len(words) == 1 and words[0].lower() in ("true", "on", "yes"):
+        value = True
+    elif len(words) == 1 and words[0].lower() in ("false", "off", "no", "none"):
+        value = None
+    else:
+        value = list(words)
+    if modes:
+        if value is None:
+            raise ValueError("--spec-mode needs speculation (--speculation)")
+        value = with_mode(value, modes[0])
+    SpeculationConfig.parse(value)  # raises on a bad setting, here rather than in a worker
+    return value
+
+
+def assistant_source(models: tuple[tuple[str, str], ...], speculation: Any) -> str | None:
+    """The source of polylane's drafter model for the target (the first model), for transformers'
+    assisted generation: the first served model the speculation names, or with "auto" the second
+    model given; None when polylane drafts with no other model (n-gram, twin)."""
+    from polylane.policy.spec_control import AUTO, SpeculationConfig
+
+    config = SpeculationConfig.parse(speculation)
+    if config is None:
+        return None
+    sources = dict(models[1:])
+    for drafter in config.drafters:
+        if drafter in sources:
+            return sources[drafter]
+        if drafter == AUTO and sources:
+            return next(iter(sources.values()))
+    return None
+
+
+def default_baselines(workload: str, drafter: str | None) -> tuple[str, ...]:
+    """The workload's default baselines; in spec, transformers-assisted only with a drafter model
+    (without one it would be prompt lookup again)."""
+    baselines = DEFAULT_BASELINES[workload]
+    if workload == "spec" and drafter is None:
+        baselines = tuple(b for b in baselines if b != "transformers-assisted")
+    return baselines
 
 
 def _write(results: dict[str, Any], out: Path) -> int:

@@ -1,15 +1,22 @@
 """The in-process polylane engine as a bench client, and its counters.
 
 What this module owns: building the engine a bench system runs (`polylane`: as served, prefix
-cache on; `plain`: prefix cache off, and speculation off once the engine has it), warming it up,
-sending one `BenchRequest` through `Engine.submit` and timing its stream events, and reading
-`Engine.stats()` into `EngineCounters`. It does not decide what to run (the harness) or compute
-any metric (`metrics`).
+cache on, the first model speculating when the setup says how; `plain`: prefix cache and
+speculation off), warming it up, sending one `BenchRequest` through `Engine.submit` and timing its
+stream events, and reading `Engine.stats()` into `EngineCounters`. It does not decide what to run
+(the harness) or compute any metric (`metrics`).
 
-Speculation counters: `engine_counters` sums `stats.speculation` when the engine has it (one
-snapshot per (target, drafter) pair with `draft_tokens`, `accepted_tokens`, `emitted_tokens` and
-`rounds`, i.e. verify passes, counted since the engine started); without it they are None and the
-report shows them as not measured.
+Model sources: a catalogue name or a path, or `sibling:N` — the first model's sibling with its top
+N layers changed by a seeded perturbation (`polylane models sibling`, seed 1), written once under
+the cache and reused (`runtime.siblings.ensure_sibling`): it shares the band `[0, layers − N)` with
+the first model.
+
+Speculation counters: `engine_counters` sums `stats.speculation` (one snapshot per (target,
+drafter) pair with `draft_tokens`, `accepted_tokens`, `emitted_tokens`, `rounds` i.e. verify
+passes, chain and tree rounds and on/off decisions, counted since the engine started); with no
+pair they are None and the report shows them as not measured. Cross-model prefill share: per
+consumer model, `stats.models[name].cross_model_hits` and `cross_model_tokens`, and the layer-tokens
+the share skipped (from the runner's `LayerShare`, where it exposes them).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass
+from typing import Any
 
 from polylane.bench.metrics import EngineCounters, RequestTimeline, SpeculationCounters
 from polylane.bench.replay import Clock, error_timeline
@@ -37,30 +45,65 @@ class EngineSetup:
     kv_tokens: int = 2048
     lane_policy: str = "throughput"
     prefix_cache: bool = True
+    # The first model's speculation, as `Engine.add_model(speculation=...)` takes it (JSON-able:
+    # True, drafter names, or a dict of `SpeculationConfig` fields); None: no speculation.
+    speculation: Any = None
+
+
+SIBLING_PREFIX = "sibling:"
+SIBLING_SEED = 1  # the seed bench/layer_share.py uses too: one sibling file on disk for both
+
+
+def resolve_source(source: str, models: tuple[tuple[str, str], ...]) -> str:
+    """`source` as `Engine.add_model` takes it: `sibling:N` becomes the path of the first model's
+    sibling with its top N layers changed (written now if it is not on disk yet)."""
+    if not source.startswith(SIBLING_PREFIX):
+        return source
+    from polylane.runtime.siblings import SiblingSpec, ensure_sibling
+
+    top_layers = int(source.removeprefix(SIBLING_PREFIX))
+    provider = models[0][1]
+    if provider.startswith(SIBLING_PREFIX):
+        raise ValueError("the first model (the provider of a sibling) cannot itself be a sibling:N")
+    return str(ensure_sibling(provider, SiblingSpec(top_layers=top_layers, seed=SIBLING_SEED), quiet=True))
 
 
 def open_engine(setup: EngineSetup) -> Engine:
     """An engine serving `setup.models`, each loaded and warmed up (a document prefill and a
-    two-request decode per model), so that no timed request pays a load or a first-call cost."""
+    two-request decode per model; then, when the first model speculates, one more decode of it
+    with every drafter resident), so that no timed request pays a load or a first-call cost."""
     manager = ResidencyManager(setup.budget_bytes, prefix_cache=setup.prefix_cache)
     config = EngineConfig(setup.budget_bytes, scheduler=SchedulerConfig(lane_policy=setup.lane_policy))
     engine = Engine(config, manager=manager)
     try:
-        for name, source in setup.models:
-            engine.add_model(name, source, dtype=setup.dtype, kv_tokens=setup.kv_tokens)
+        for index, (name, source) in enumerate(setup.models):
+            engine.add_model(
+                name,
+                resolve_source(source, setup.models),
+                dtype=setup.dtype,
+                kv_tokens=setup.kv_tokens,
+                speculation=setup.speculation if index == 0 else None,
+            )
         warm = "Warm-up. " + document(random.Random(0), 96)
         params = SamplingParams(max_tokens=4, ignore_eos=True)
         for name, _ in setup.models:
             engine.generate(name, warm, params)
             handles = [engine.submit(name, f"Warm-up {i}: hello", params=params) for i in range(2)]
             for handle in handles:
-                completion = handle.result()
-                if completion.finish_reason == "error":
-                    raise RuntimeError(f"warm-up of {name!r} failed: {completion.error}")
+                _check_warm_up(name, handle.result())
+        if setup.speculation is not None:  # the drafters are resident now: a speculative decode
+            target = setup.models[0][0]
+            text = "Repeat this list exactly: " + ", ".join(f"item {i}" for i in range(24))
+            _check_warm_up(target, engine.generate(target, text, SamplingParams(max_tokens=24)))
     except BaseException:
         engine.close()
         raise
     return engine
+
+
+def _check_warm_up(name: str, completion: Any) -> None:
+    if completion.finish_reason == "error":
+        raise RuntimeError(f"warm-up of {name!r} failed: {completion.error}")
 
 
 class EngineClient:
@@ -136,7 +179,19 @@ def engine_counters(engine: Engine) -> EngineCounters:
         residency_evictions=pool.num_evictions,
         page_in_seconds=stats.residency.load_seconds,
         speculation=_speculation(stats),
+        cross_model_hits={n: m.cross_model_hits for n, m in stats.models.items() if m.cross_model_hits},
+        cross_model_tokens={n: m.cross_model_tokens for n, m in stats.models.items() if m.cross_model_tokens},
+        cross_model_layer_tokens=_skipped_layer_tokens(engine),
     )
+
+
+def _skipped_layer_tokens(engine: Engine) -> dict[str, int]:
+    """Per consumer model, the layer-tokens the cross-model share did not compute (empty where the
+    runner does not expose its `LayerShare`)."""
+    sharing = getattr(getattr(engine, "runner", None), "sharing", None)
+    if sharing is None or not hasattr(sharing, "stats"):
+        return {}
+    return {name: s.skipped_layer_tokens for name, s in sharing.stats().items() if s.skipped_layer_tokens}
 
 
 def _speculation(stats: object) -> SpeculationCounters | None:
@@ -155,4 +210,8 @@ def _speculation(stats: object) -> SpeculationCounters | None:
         total("accepted_tokens"),
         total("emitted_tokens"),
         total("rounds", "verify_steps"),
+        total("chain_rounds"),
+        total("tree_rounds"),
+        total("decisions_on"),
+        total("decisions_off"),
     )

@@ -1,11 +1,15 @@
 """One bench invocation: build the workload, run every system in alternating order, summarise.
 
 What this module owns: the procedure. For each repeat r the workload is built for (seed, r); the
-systems then take turns, polylane first and the baselines after it on even repeats, the reverse
-order on odd ones, so that drift of a shared machine falls on every system alike. Each system is
-opened (loaded, warmed up) just before its turn and closed after it. Every phase run is
-summarised (`metrics.summarise`); the medians over repeats and the ratios of polylane to each
-baseline make up the results, which `report` writes. A progress bar (stderr) counts requests.
+systems then take turns, polylane first (then its mode variants) and the baselines after it on
+even repeats, the reverse order on odd ones, so that drift of a shared machine falls on every
+system alike. Each system is opened (loaded, warmed up) just before its turn and closed after it.
+Every phase run is summarised (`metrics.summarise`); the medians over repeats and the ratios of
+polylane to every other system make up the results, which `report` writes, with two derived
+blocks: `speculation` (per phase and speculating system: acceptance, tokens per verify, shapes,
+decisions, and the decode speedup over every non-speculating system) and, in the cross-model
+shared-prefix workload, `cross_model` (per consumer and system: TTFT on a prompt the provider
+prefilled vs on an unseen one, and the tokens imported). A progress bar (stderr) counts requests.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polylane.bench import metrics, workloads
-from polylane.bench.systems import SYSTEMS, SystemSettings, make_system
+from polylane.bench.systems import BASELINES, SYSTEMS, VARIANTS, SystemSettings, make_system
 
 SCHEMA_ID = "polylane-bench/1"
 
@@ -33,9 +37,13 @@ PRIMARY_METRIC = {
 }
 
 
-def primary_metric(phase: str) -> str:
-    """The key of the phase's primary metric: its own for the single and spec phases, throughput
-    for the rest."""
+def primary_metric(phase: str, workload: str = "", cross_model: bool = False) -> str:
+    """The key of the phase's primary metric: its own for the single phases, decode tokens/s per
+    stream in spec, TTFT p50 in the cross-model shared-prefix workload, throughput for the rest."""
+    if workload == "spec":
+        return "stream_decode_tokens_per_s"
+    if cross_model:
+        return "ttft_p50_s"
     key = "batch" if phase.startswith("batch-") else phase
     return PRIMARY_METRIC.get(key, "throughput_tokens_per_s")
 
@@ -53,20 +61,30 @@ class BenchConfig:
     timeout_s: float = 3600.0  # the most one phase run of one system may take
     command: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    variants: tuple[str, ...] = ()  # polylane-<mode> systems run beside polylane
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         for name in self.baselines:
-            if name not in SYSTEMS or name == "polylane":
-                raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(list(SYSTEMS)[1:])}")
+            if name not in BASELINES:
+                raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
+        for name in self.variants:
+            if name not in VARIANTS:
+                raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+        if self.variants and self.url:
+            raise ValueError("mode variants run local engines; they cannot be measured with --url")
+
+    @property
+    def systems(self) -> list[str]:
+        return ["polylane", *self.variants, *self.baselines]
 
 
 def run(config: BenchConfig) -> dict[str, Any]:
     """Run the bench; the results document (see `schema.json`)."""
     from tqdm import tqdm
 
-    names = ["polylane", *config.baselines]
+    names = config.systems
     systems = {
         name: make_system(name, config.settings, config.url, config.api_key, config.timeout_s)
         for name in names
@@ -119,7 +137,7 @@ def assemble(
     out_systems: dict[str, Any] = {}
     for name, system_runs in runs.items():
         out_systems[name] = {
-            "role": "system" if name == "polylane" else "baseline",
+            "role": "system" if name == "polylane" else "variant" if name in VARIANTS else "baseline",
             "description": SYSTEMS[name]
             if not (name == "polylane" and config.url)
             else f"the server at {config.url}",
@@ -130,7 +148,7 @@ def assemble(
             "paired_ratio": paired[name],
         }
     options = workload.options
-    return {
+    document: dict[str, Any] = {
         "schema": SCHEMA_ID,
         "workload": config.workload,
         "command": config.command,
@@ -153,17 +171,27 @@ def assemble(
             "kv_tokens": config.settings.kv_tokens,
             "lane_policy": config.settings.lane_policy,
             "drafter": config.settings.drafter,
+            "speculation": config.settings.speculation,
+            "categories": list(options.categories),
+            "cross_model": options.cross_model,
             "url": config.url,
             "baselines": list(config.baselines),
+            "variants": list(config.variants),
             "statistic": "median over repeats",
             **config.extra,
         },
         "environment": environment(load_average),
-        "phases": [{**d, "primary_metric": primary_metric(d["name"])} for d in workloads.describe(workload)],
+        "phases": [
+            {**d, "primary_metric": primary_metric(d["name"], config.workload, options.cross_model)}
+            for d in workloads.describe(workload)
+        ],
         "systems": out_systems,
         "speculation": speculation(summary, phase_names),
         "timelines": timelines,
     }
+    if options.cross_model:
+        document["cross_model"] = cross_model(summary, phase_names)
+    return document
 
 
 def summaries(
@@ -203,29 +231,86 @@ def rebuild(results: dict[str, Any]) -> dict[str, Any]:
     for name, system in results["systems"].items():
         system.update(summary=summary[name], ratio=ratio[name], paired_ratio=paired[name])
     results["speculation"] = speculation(summary, phase_names)
+    if results["settings"].get("cross_model"):
+        results["cross_model"] = cross_model(summary, phase_names)
     return results
 
 
+SPEC_KEYS = (
+    "acceptance_rate",
+    "tokens_per_verify",
+    "drafted_tokens",
+    "verify_steps",
+    "chain_rounds",
+    "tree_rounds",
+    "decisions_on",
+    "decisions_off",
+)
+
+
 def speculation(summary: dict[str, Any], phases: Sequence[str]) -> dict[str, Any]:
-    """Per phase: polylane's acceptance rate and tokens per verify (None until the engine reports
-    them) and its wall-clock decode speedup over each baseline that ran (stream decode tokens/s)."""
+    """Per phase: polylane's acceptance rate and tokens per verify (None where the engine reports
+    no speculation) and its wall-clock decode speedup over every other system (stream decode
+    tokens/s); under `systems`, the same for polylane and each mode variant, with verify passes,
+    chain / tree rounds and on/off decisions, the speedup taken over the systems that do not
+    speculate (plain, transformers, …)."""
+    speculating = [name for name in summary if name == "polylane" or name in VARIANTS]
+
+    def speedups(name: str, phase: str, over: Sequence[str]) -> dict[str, float | None]:
+        ours = summary[name][phase].get("stream_decode_tokens_per_s")
+        return {
+            other: metrics.ratio(ours, summary[other][phase].get("stream_decode_tokens_per_s"), "higher")
+            for other in over
+        }
+
     out = {}
     for phase in phases:
-        ours = summary["polylane"][phase]
-        spec = (ours.get("engine") or {}).get("speculation") or {}
+        per_system = {}
+        for name in speculating:
+            spec = (summary[name][phase].get("engine") or {}).get("speculation") or {}
+            per_system[name] = {
+                "decode_tokens_per_s": summary[name][phase].get("stream_decode_tokens_per_s"),
+                **{key: spec.get(key) for key in SPEC_KEYS},
+                "speedup": speedups(name, phase, [o for o in summary if o not in speculating]),
+            }
         out[phase] = {
-            "acceptance_rate": spec.get("acceptance_rate"),
-            "tokens_per_verify": spec.get("tokens_per_verify"),
-            "speedup": {
-                name: metrics.ratio(
-                    ours.get("stream_decode_tokens_per_s"),
-                    summary[name][phase].get("stream_decode_tokens_per_s"),
-                    "higher",
-                )
-                for name in summary
-                if name != "polylane"
-            },
+            "acceptance_rate": per_system["polylane"]["acceptance_rate"],
+            "tokens_per_verify": per_system["polylane"]["tokens_per_verify"],
+            "speedup": speedups("polylane", phase, [o for o in summary if o != "polylane"]),
+            "systems": per_system,
         }
+    return out
+
+
+def cross_model(summary: dict[str, Any], phases: Sequence[str]) -> dict[str, Any]:
+    """Per consumer phase of the cross-model shared-prefix workload and per system: the consumer's
+    TTFT p50 on prompts the provider prefilled (`shared`) and on unseen ones (`cold`), the
+    provider's own (its cold prefill), speedup = cold ÷ shared, `vs_plain` = plain's TTFT on the
+    shared prompts (cold for it: no prefix cache) ÷ this system's, and the engine's cross-model
+    counters for the consumer (hits, imported tokens, layers skipped per imported token)."""
+    out: dict[str, Any] = {}
+    for phase in phases:
+        per_system = {}
+        for name, system in summary.items():
+            categories = system[phase].get("per_category") or {}
+
+            def ttft(category: str, categories: dict[str, Any] = categories) -> float | None:
+                return (categories.get(category) or {}).get("ttft_p50_s")
+
+            plain = (summary.get("plain", {}).get(phase, {}).get("per_category") or {}).get("shared") or {}
+            engine = (system[phase].get("engine") or {}).get("cross_model") or {}
+            per_system[name] = {
+                "shared_ttft_p50_s": ttft("shared"),
+                "cold_ttft_p50_s": ttft("cold"),
+                "provider_ttft_p50_s": ttft("provider"),
+                "speedup": metrics.ratio(ttft("shared"), ttft("cold"), "lower"),
+                "vs_plain": metrics.ratio(ttft("shared"), plain.get("ttft_p50_s"), "lower")
+                if name != "plain"
+                else None,
+                "cached_tokens": (categories.get("shared") or {}).get("cached_tokens"),
+                "cross_model": engine.get(phase),
+            }
+        out[phase] = per_system
     return out
 
 

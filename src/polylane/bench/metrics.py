@@ -35,6 +35,9 @@ in an error count in `errors` and nowhere else):
     prefix_hit_rate         Σ cached tokens / Σ prompt tokens.
     per_model               per model: requests, output tokens, token_share (its output tokens /
                             all), ttft and tpot p50 and p99.
+    per_category            per request category (a prompt kind; in the cross-model shared-prefix
+                            workload provider / shared / cold): requests, output tokens, prompt and
+                            cached tokens, ttft and tpot p50 and p99, stream_decode_tokens_per_s.
     engine                  engine-side counters over the phase (`EngineCounters.delta`), None
                             for a system without an engine (transformers):
         decode_steps, switches  engine steps with a decode batch; changes of the lane owner.
@@ -48,10 +51,18 @@ in an error count in `errors` and nowhere else):
         residency_hits, residency_misses  lease acquisitions that found the model resident /
                             had to load it; residency_evictions: models evicted (any cause);
                             page_in_seconds: seconds spent loading models.
-        speculation         drafted, accepted and emitted tokens and verify passes; None until
-                            the engine reports them. acceptance_rate = accepted / drafted;
-                            tokens_per_verify = emitted / verify passes (tokens one target pass
-                            yields, the bonus or recovered token included).
+        speculation         drafted, accepted and emitted tokens and verify passes, summed over
+                            the engine's (target, drafter) pairs; None when the engine reports no
+                            pair. acceptance_rate = accepted / drafted; tokens_per_verify =
+                            emitted / verify passes (tokens one target pass yields, the bonus or
+                            recovered token included); chain_rounds / tree_rounds: verify passes
+                            of each shape; decisions_on / decisions_off: the controller's choices
+                            to draft or to decode plainly.
+        cross_model         per consumer model, the prefill shared across models (None when no
+                            model reused another's prefix): hits (sequences that reused a peer's
+                            cached prefix), imported_tokens (prompt tokens whose lower-band KV came
+                            from the peer), layers_per_token (skipped layer-tokens / imported
+                            tokens: the shared band's depth, when the engine reports it).
 
 Across repeats (`median_summary`): every number is the median of the repeats' numbers (None
 values are left out; None if all are None). Repeats alternate the systems' order, so drift of a
@@ -70,7 +81,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from typing import Any
 
 # (key, better): the metrics a ratio is given for. "higher": a rate; "lower": a latency.
@@ -151,6 +162,17 @@ class SpeculationCounters:
     accepted_tokens: int
     emitted_tokens: int  # tokens verify passes produced (accepted + one bonus/recovered each)
     verify_steps: int
+    chain_rounds: int = 0
+    tree_rounds: int = 0
+    decisions_on: int = 0
+    decisions_off: int = 0
+
+    def minus(self, other: SpeculationCounters) -> SpeculationCounters:
+        return SpeculationCounters(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+    @staticmethod
+    def total(parts: Sequence[SpeculationCounters]) -> SpeculationCounters:
+        return SpeculationCounters(*(sum(values) for values in zip(*map(astuple, parts), strict=True)))
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -178,23 +200,16 @@ class EngineCounters:
     residency_evictions: int = 0
     page_in_seconds: float = 0.0
     speculation: SpeculationCounters | None = None
+    cross_model_hits: dict[str, int] = field(default_factory=dict)  # per consumer model
+    cross_model_tokens: dict[str, int] = field(default_factory=dict)  # imported prompt tokens
+    cross_model_layer_tokens: dict[str, int] = field(default_factory=dict)  # skipped layer-tokens
 
     def delta(self, before: EngineCounters) -> EngineCounters:
         """What happened between `before` and this snapshot (the high-water mark is kept as is)."""
-        lane = {
-            name: steps - before.lane_steps.get(name, 0)
-            for name, steps in self.lane_steps.items()
-            if steps - before.lane_steps.get(name, 0)
-        }
+        lane = _minus(self.lane_steps, before.lane_steps)
         spec = None
         if self.speculation is not None:
-            base = before.speculation or SpeculationCounters(0, 0, 0, 0)
-            spec = SpeculationCounters(
-                self.speculation.drafted_tokens - base.drafted_tokens,
-                self.speculation.accepted_tokens - base.accepted_tokens,
-                self.speculation.emitted_tokens - base.emitted_tokens,
-                self.speculation.verify_steps - base.verify_steps,
-            )
+            spec = self.speculation.minus(before.speculation or SpeculationCounters(0, 0, 0, 0))
         return EngineCounters(
             steps=self.steps - before.steps,
             decode_steps=self.decode_steps - before.decode_steps,
@@ -209,6 +224,9 @@ class EngineCounters:
             residency_evictions=self.residency_evictions - before.residency_evictions,
             page_in_seconds=self.page_in_seconds - before.page_in_seconds,
             speculation=spec,
+            cross_model_hits=_minus(self.cross_model_hits, before.cross_model_hits),
+            cross_model_tokens=_minus(self.cross_model_tokens, before.cross_model_tokens),
+            cross_model_layer_tokens=_minus(self.cross_model_layer_tokens, before.cross_model_layer_tokens),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -222,22 +240,25 @@ class EngineCounters:
         return cls(**values)
 
 
+def _minus(after: Mapping[str, int], before: Mapping[str, int]) -> dict[str, int]:
+    """Per-name differences, the names whose count moved."""
+    return {name: n - before.get(name, 0) for name, n in after.items() if n - before.get(name, 0)}
+
+
+def _plus(parts: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for part in parts:
+        for name, n in part.items():
+            out[name] = out.get(name, 0) + n
+    return out
+
+
 def merge_counters(parts: Sequence[EngineCounters]) -> EngineCounters:
     """Counters of separate engines (one process per model) added up. No engine observes the
     others, so `max_concurrent_decode` is None: the processes' decode steps may overlap freely."""
-    lane: dict[str, int] = {}
-    for part in parts:
-        for name, steps in part.lane_steps.items():
-            lane[name] = lane.get(name, 0) + steps
+    lane = _plus(p.lane_steps for p in parts)
     specs = [p.speculation for p in parts if p.speculation is not None]
-    spec = None
-    if specs:
-        spec = SpeculationCounters(
-            sum(s.drafted_tokens for s in specs),
-            sum(s.accepted_tokens for s in specs),
-            sum(s.emitted_tokens for s in specs),
-            sum(s.verify_steps for s in specs),
-        )
+    spec = SpeculationCounters.total(specs) if specs else None
     return EngineCounters(
         steps=sum(p.steps for p in parts),
         decode_steps=sum(p.decode_steps for p in parts),
@@ -252,6 +273,9 @@ def merge_counters(parts: Sequence[EngineCounters]) -> EngineCounters:
         residency_evictions=sum(p.residency_evictions for p in parts),
         page_in_seconds=sum(p.page_in_seconds for p in parts),
         speculation=spec,
+        cross_model_hits=_plus(p.cross_model_hits for p in parts),
+        cross_model_tokens=_plus(p.cross_model_tokens for p in parts),
+        cross_model_layer_tokens=_plus(p.cross_model_layer_tokens for p in parts),
     )
 
 
@@ -336,6 +360,20 @@ def summarise(timelines: Sequence[RequestTimeline], engine: EngineCounters | Non
             "token_share": tokens / output if output else None,
             **_latency(mine),
         }
+    per_category: dict[str, dict[str, Any]] = {}
+    for category in dict.fromkeys(t.category for t in timelines):
+        mine = [t for t in decoding if t.category == category]
+        per_category[category] = {
+            "requests": sum(1 for t in timelines if t.category == category),
+            "output_tokens": sum(t.output_tokens for t in done if t.category == category),
+            "prompt_tokens": sum(t.prompt_tokens for t in done if t.category == category),
+            "cached_tokens": sum(t.cached_tokens for t in done if t.category == category),
+            **_latency([t for t in done if t.category == category]),
+            "stream_decode_tokens_per_s": rate(
+                sum(t.output_tokens - 1 for t in mine),
+                sum(t.last_token - t.first_token for t in mine),  # type: ignore[operator]
+            ),
+        }
     return {
         "requests": len(timelines),
         "completed": len(done),
@@ -352,6 +390,7 @@ def summarise(timelines: Sequence[RequestTimeline], engine: EngineCounters | Non
         "aggregate_decode_tokens_per_s": rate(after_first, span),
         "prefix_hit_rate": cached / prompt if prompt else None,
         "per_model": per_model,
+        "per_category": per_category,
         "engine": None if engine is None else engine_summary(engine),
     }
 
@@ -383,7 +422,22 @@ def engine_summary(counters: EngineCounters) -> dict[str, Any]:
             "verify_steps": spec.verify_steps,
             "acceptance_rate": spec.acceptance_rate,
             "tokens_per_verify": spec.tokens_per_verify,
+            "chain_rounds": spec.chain_rounds,
+            "tree_rounds": spec.tree_rounds,
+            "decisions_on": spec.decisions_on,
+            "decisions_off": spec.decisions_off,
         },
+        "cross_model": {
+            name: {
+                "hits": counters.cross_model_hits.get(name, 0),
+                "imported_tokens": tokens,
+                "layers_per_token": rate(counters.cross_model_layer_tokens[name], tokens)
+                if name in counters.cross_model_layer_tokens
+                else None,
+            }
+            for name, tokens in sorted(counters.cross_model_tokens.items())
+        }
+        or None,
     }
 
 

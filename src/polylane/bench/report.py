@@ -6,7 +6,9 @@ What this module owns: presentation only. Every number comes from the results do
 backend (no display needed):
 - `primary.png`: per phase, each system's primary metric (prefill, decode or batch tokens/s in
   `single`, decode tokens/s in `spec`, throughput elsewhere): the median as a bar, the repeats'
-  min–max as a whisker, polylane's ratio over each baseline above its bar.
+  min–max as a whisker, polylane's ratio over each baseline above its bar. In the cross-model
+  shared-prefix workload: per consumer, each system's TTFT p50 on shared and on cold prompts side
+  by side, cold ÷ shared above them.
 - `latency.png`: per phase, TTFT and TPOT p50 (bar) and p99 (whisker top) per system.
 - `timeline.png`: the last repeat's requests of each system and phase over time: a thin line from
   send to first token (queueing and prefill), a thick one from first to last token (decoding),
@@ -103,7 +105,7 @@ def markdown(results: dict[str, Any]) -> str:
         name, primary = phase["name"], phase["primary_metric"]
         lines += ["", f"## `{name}`: {phase['description']}", ""]
         header = ["system", "tokens/s"]
-        if primary != "throughput_tokens_per_s":
+        if primary not in ("throughput_tokens_per_s", "ttft_p50_s"):
             header.append(LABELS[primary])
         header += [
             "TTFT p50 ms",
@@ -118,7 +120,7 @@ def markdown(results: dict[str, Any]) -> str:
         for system_name, system in systems.items():
             row = system["summary"][name]
             cells = [system_name, _number(row["throughput_tokens_per_s"])]
-            if primary != "throughput_tokens_per_s":
+            if primary not in ("throughput_tokens_per_s", "ttft_p50_s"):
                 cells.append(_number(row[primary]))
             ratio = (system["ratio"] or {}).get(name, {}).get(primary)
             cells += [
@@ -181,22 +183,106 @@ def markdown(results: dict[str, Any]) -> str:
                     f"| {baseline}, paired | " + " | ".join(_ratio(paired.get(k)) for k in keys) + " |"
                 )
     if results["workload"] == "spec":
-        lines += [
-            "",
-            "## Speculation",
-            "",
-            "| phase | acceptance rate | tokens per verify | decode speedup |",
-            "|---|---:|---:|---|",
-        ]
-        for phase, spec in results["speculation"].items():
-            speedups = ", ".join(f"vs {n} {_ratio(v)}" for n, v in spec["speedup"].items()) or "—"
-            lines.append(
-                f"| {phase} | {_number(spec['acceptance_rate'], 2)} | "
-                f"{_number(spec['tokens_per_verify'], 2)} | {speedups} |"
-            )
-        lines += ["", "Acceptance and tokens per verify show — until the engine reports speculation."]
+        lines += speculation_markdown(results)
+    if results.get("cross_model"):
+        lines += cross_model_markdown(results)
     lines += ["", "Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS), ""]
     return "\n".join(lines)
+
+
+def speculation_markdown(results: dict[str, Any]) -> list[str]:
+    """The spec workload's summary: decode tokens/s of every system per phase, the speculating
+    systems' speedups over the others, and their acceptance, tokens per verify and shapes."""
+    phases = [p["name"] for p in results["phases"]]
+    systems = results["systems"]
+    spec = results["speculation"]
+    settings = results["settings"]
+    lines = [
+        "",
+        "## Speculation",
+        "",
+        f"polylane's speculation: `{json.dumps(settings.get('speculation'))}`"
+        + (
+            f"; transformers-assisted's assistant: {settings.get('drafter') or 'prompt lookup'}."
+            if "transformers-assisted" in systems
+            else "."
+        ),
+        "",
+        "| decode tokens/s per stream | " + " | ".join(phases) + " |",
+        "|---|" + "---:|" * len(phases),
+    ]
+    for name, system in systems.items():
+        cells = [_number(system["summary"][phase]["stream_decode_tokens_per_s"], 2) for phase in phases]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    speculating = list(spec[phases[0]]["systems"]) if phases else []
+    lines += [
+        "",
+        "| speedup (decode tokens/s ÷) | " + " | ".join(phases) + " |",
+        "|---|" + "---:|" * len(phases),
+    ]
+    for name in speculating:
+        for other in spec[phases[0]]["systems"][name]["speedup"]:
+            cells = [_ratio(spec[phase]["systems"][name]["speedup"].get(other)) for phase in phases]
+            lines.append(f"| {name} ÷ {other} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "| system | phase | acceptance rate | tokens per verify | drafted | verify passes | chain / tree "
+        "rounds | decisions on / off |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in speculating:
+        for phase in phases:
+            row = spec[phase]["systems"][name]
+
+            def count(key: str, row: dict[str, Any] = row) -> str:
+                return "—" if row.get(key) is None else f"{row[key]:.0f}"
+
+            lines.append(
+                f"| {name} | {phase} | {_number(row['acceptance_rate'], 2)} | "
+                f"{_number(row['tokens_per_verify'], 2)} | {count('drafted_tokens')} | "
+                f"{count('verify_steps')} | "
+                f"{count('chain_rounds')} / {count('tree_rounds')} | "
+                f"{count('decisions_on')} / {count('decisions_off')} |"
+            )
+    lines += [
+        "",
+        "Acceptance = accepted ÷ drafted tokens; tokens per verify = tokens a verify pass yields (the "
+        "bonus or recovered token included); — where the engine reported no speculation (none "
+        "configured, or no drafter for the target).",
+    ]
+    return lines
+
+
+def cross_model_markdown(results: dict[str, Any]) -> list[str]:
+    """The cross-model shared-prefix summary: per consumer and system, TTFT shared vs cold."""
+    providers = [m["name"] for m in results["settings"]["models"]][:1]
+    lines = [
+        "",
+        f"## Prefill shared across models (provider: {providers[0] if providers else '?'})",
+        "",
+        "| consumer | system | TTFT shared ms | TTFT cold ms | cold ÷ shared | plain ÷ shared | "
+        "provider TTFT ms | cross-model hits | imported tokens | layers skipped per token |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for phase, per_system in results["cross_model"].items():
+        for name, row in per_system.items():
+            engine = row.get("cross_model") or {}
+            hits = "—" if engine.get("hits") is None else f"{engine['hits']:.0f}"
+            imported = "—" if engine.get("imported_tokens") is None else f"{engine['imported_tokens']:.0f}"
+            lines.append(
+                f"| {phase} | {name} | {_ms(row['shared_ttft_p50_s'])} | {_ms(row['cold_ttft_p50_s'])} | "
+                f"{_ratio(row['speedup'])} | {_ratio(row['vs_plain'])} | {_ms(row['provider_ttft_p50_s'])} | "
+                f"{hits} | {imported} | "
+                f"{_number(engine.get('layers_per_token'), 1)} |"
+            )
+    lines += [
+        "",
+        "TTFT p50 of the consumer on prompts the provider prefilled just before (shared) and on "
+        "prompts no model had seen (cold), alternating; plain has no prefix cache, so every prompt is "
+        "cold for it. Hits and imported tokens: the consumer's sequences and prompt tokens whose "
+        "lower-band KV came from another model; layers skipped per token: the shared band's depth.",
+    ]
+    return lines
 
 
 def _commit(env: dict[str, Any]) -> str:
@@ -244,6 +330,7 @@ def final_line(results: dict[str, Any], out: Path) -> str:
         "systems": systems,
         "ratios": ratios,
         "speculation": results["speculation"],
+        **({"cross_model": results["cross_model"]} if results.get("cross_model") else {}),
         "load_average": [
             (results["environment"]["load_average_before"] or [None])[0],
             (results["environment"]["load_average_after"] or [None])[0],
@@ -271,6 +358,9 @@ def _colours(names: Sequence[str]) -> dict[str, Any]:
 
 
 def plot_primary(results: dict[str, Any], path: Path) -> None:
+    if results.get("cross_model"):
+        plot_cross_model(results, path)
+        return
     plt = _pyplot()
     phases, systems = results["phases"], results["systems"]
     colours = _colours(list(systems))
@@ -302,6 +392,40 @@ def plot_primary(results: dict[str, Any], path: Path) -> None:
         axis.margins(y=0.15)
     figure.suptitle(
         f"polylane bench {results['workload']}: median of {results['settings']['repeats']}", fontsize=10
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_cross_model(results: dict[str, Any], path: Path) -> None:
+    """Per consumer: each system's TTFT p50 on shared prompts and on cold ones, cold ÷ shared above."""
+    plt = _pyplot()
+    cross = results["cross_model"]
+    figure, axes = plt.subplots(1, len(cross), figsize=(4.6 * len(cross), 3.6), squeeze=False)
+    colours = _colours(["shared", "cold"])
+    for axis, (phase, per_system) in zip(axes[0], cross.items(), strict=True):
+        names = list(per_system)
+        width = 0.38
+        for offset, kind in ((-width / 2, "shared"), (width / 2, "cold")):
+            values = [1000 * (per_system[n][f"{kind}_ttft_p50_s"] or 0.0) for n in names]
+            axis.bar([i + offset for i in range(len(names))], values, width, label=kind, color=colours[kind])
+        for i, name in enumerate(names):
+            row = per_system[name]
+            top = 1000 * max(row["shared_ttft_p50_s"] or 0.0, row["cold_ttft_p50_s"] or 0.0)
+            if row["speedup"] is not None:
+                axis.annotate(
+                    f"{row['speedup']:.2f}×", (i, top), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 4), textcoords="offset points",
+                )  # fmt: skip
+        axis.set_xticks(range(len(names)), names, fontsize=8)
+        axis.set_title(f"consumer {phase}: TTFT p50", fontsize=10)
+        axis.set_ylabel("ms", fontsize=8)
+        axis.tick_params(axis="y", labelsize=8)
+        axis.legend(fontsize=8, frameon=False)
+        axis.margins(y=0.15)
+    figure.suptitle(
+        f"polylane bench shared-prefix across models: median of {results['settings']['repeats']}", fontsize=10
     )
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -7,16 +7,23 @@ system holds memory at a time and none keeps a prefix cache from an earlier repe
 
 Systems:
 - `polylane`: the system under test. One engine serving every model, one decode lane, prefix
-  cache on (with `--url`: the server at that address, through the `openai` client).
-- `plain`: the same engine with the prefix cache off (and speculation off, once the engine has
-  it): the baseline for what caching and drafting buy.
+  cache on, the first model speculating as `SystemSettings.speculation` says (with `--url`: the
+  server at that address, through the `openai` client).
+- `polylane-auto`, `polylane-chain`, `polylane-tree`: the same with the speculation mode forced
+  (`SpeculationConfig.mode`), run beside `polylane` so chain and tree are measured in one run.
+- `plain`: the same engine with the prefix cache and speculation off: the baseline for what
+  caching and drafting buy.
 - `per-process`: one polylane engine per model, each in its own process, started together; each
   gets its model's share of every phase with the same arrival times and a concurrency cap scaled to
   its share (`Phase.only`), the way one-process-per-model servers are deployed. Timelines of the
   processes are merged on their common start; engine counters are added up.
 - `transformers`: Hugging Face `generate` on the same GGUF at the same dtype (`hf_client`).
-- `transformers-assisted`: transformers assisted generation with `--drafter` as the assistant
-  model, or n-gram prompt lookup when no drafter is given.
+- `transformers-assisted`: transformers assisted generation with `SystemSettings.drafter` as the
+  assistant model, or n-gram prompt lookup when no drafter is given.
+- `transformers-lookup`: transformers prompt lookup (n-gram, `prompt_lookup_num_tokens=10`).
+
+Baselines serve `SystemSettings.baseline_models` (the spec bench: the target alone, since the other
+models only draft for it) or every model.
 """
 
 from __future__ import annotations
@@ -36,19 +43,28 @@ from typing import Any, TextIO
 from polylane.bench.metrics import EngineCounters, RequestTimeline, merge_counters
 from polylane.bench.workloads import Phase
 
+SPEC_MODES = ("auto", "chain", "tree")
+VARIANT_PREFIX = "polylane-"  # polylane-<mode>: polylane with its speculation mode forced
 SYSTEMS: dict[str, str] = {
     "polylane": "polylane: one engine, every model, one decode lane, prefix cache on",
+    **{
+        f"{VARIANT_PREFIX}{mode}": f"polylane with speculation mode {mode} (the controller may still "
+        "decode plainly where drafting loses, unless adaptive is off)"
+        for mode in SPEC_MODES
+    },
     "plain": "polylane with the prefix cache and speculation off",
     "per-process": "one polylane process per model, all at once, each serving its model's share",
     "transformers": "Hugging Face transformers generate on the same GGUF, same dtype",
     "transformers-assisted": "transformers assisted generation (the drafter, or n-gram prompt lookup)",
+    "transformers-lookup": "transformers n-gram prompt lookup (prompt_lookup_num_tokens=10)",
 }
-BASELINES = tuple(name for name in SYSTEMS if name != "polylane")
+VARIANTS = tuple(name for name in SYSTEMS if name.startswith(VARIANT_PREFIX))
+BASELINES = tuple(name for name in SYSTEMS if name != "polylane" and name not in VARIANTS)
 DEFAULT_BASELINES: dict[str, tuple[str, ...]] = {
     "single": ("transformers",),
     "mix": ("plain", "per-process"),
     "shared-prefix": ("plain",),
-    "spec": ("plain", "transformers-assisted"),
+    "spec": ("plain", "transformers-assisted", "transformers-lookup"),
 }
 
 
@@ -62,7 +78,15 @@ class SystemSettings:
     kv_tokens: int = 2048
     lane_policy: str = "throughput"
     threads: int = 0  # torch threads per process (0: torch's default)
-    drafter: str | None = None  # transformers-assisted: the assistant model
+    drafter: str | None = None  # transformers-assisted: the assistant model's source
+    # polylane's speculation for the first model, as `Engine.add_model(speculation=...)` takes it
+    # (JSON-able: True, drafter names, or a dict of `SpeculationConfig` fields); None: none.
+    speculation: Any = None
+    baseline_models: tuple[tuple[str, str], ...] | None = None  # None: `models`
+
+    @property
+    def served_by_baselines(self) -> tuple[tuple[str, str], ...]:
+        return self.models if self.baseline_models is None else self.baseline_models
 
 
 @dataclass
@@ -282,18 +306,40 @@ def _make_system(name: str, settings: SystemSettings, url: str | None, api_key: 
         "lane_policy": settings.lane_policy,
         "prefix_cache": True,
         "threads": settings.threads,
+        "speculation": settings.speculation,
     }
+    baseline_models = settings.served_by_baselines
     if name == "polylane":
         if url is not None:
             return UrlSystem(name, url, api_key, [n for n, _ in settings.models])
         return WorkerSystem(name, engine_setup, settings.models, per_model=False)
+    if name in VARIANTS:
+        mode = name.removeprefix(VARIANT_PREFIX)
+        setup = {**engine_setup, "speculation": with_mode(settings.speculation, mode)}
+        return WorkerSystem(name, setup, settings.models, per_model=False)
     if name == "plain":
-        return WorkerSystem(name, {**engine_setup, "prefix_cache": False}, settings.models, per_model=False)
-    if name == "per-process":
-        return WorkerSystem(name, engine_setup, settings.models, per_model=True)
-    if name in ("transformers", "transformers-assisted"):
+        plain = {**engine_setup, "prefix_cache": False, "speculation": None}
+        return WorkerSystem(name, plain, baseline_models, per_model=False)
+    if name == "per-process":  # polylane deployed one process per model: it speculates alike
+        return WorkerSystem(name, engine_setup, baseline_models, per_model=True)
+    if name in ("transformers", "transformers-assisted", "transformers-lookup"):
         setup = {"kind": "transformers", "dtype": settings.dtype, "threads": settings.threads}
         if name == "transformers-assisted":
             setup["assisted"] = settings.drafter or "prompt-lookup"
-        return WorkerSystem(name, setup, settings.models, per_model=False)
+        elif name == "transformers-lookup":
+            setup["assisted"] = "prompt-lookup"
+        return WorkerSystem(name, setup, baseline_models, per_model=False)
     raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
+
+
+def with_mode(speculation: Any, mode: str) -> dict[str, Any]:
+    """`speculation` (as `Engine.add_model` takes it) with its mode set to `mode`."""
+    if speculation is None or speculation is False:
+        raise ValueError(f"{VARIANT_PREFIX}{mode} needs speculation (--speculation)")
+    if speculation is True:
+        return {"mode": mode}
+    if isinstance(speculation, str):
+        return {"drafters": [speculation], "mode": mode}
+    if isinstance(speculation, list | tuple):
+        return {"drafters": list(speculation), "mode": mode}
+    return {**speculation, "mode": mode}

@@ -15,8 +15,10 @@ answered with `{"event": "error", "message": ...}` and a non-zero exit. Whatever
 prints goes to its stderr: the real stdout carries the protocol only.
 
 Setups: `{"kind": "engine", "models": [[name, source], ...], "dtype", "budget_bytes",
-"kv_tokens", "lane_policy", "prefix_cache", "threads"}` (polylane, plain, one of the
-per-process engines) or `{"kind": "transformers", "models", "dtype", "assisted", "threads"}`.
+"kv_tokens", "lane_policy", "prefix_cache", "threads", "speculation"}` (polylane and its mode
+variants, plain, one of the per-process engines; `speculation` is the first model's, as
+`Engine.add_model` takes it, or null) or `{"kind": "transformers", "models", "dtype", "assisted",
+"threads"}`.
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class _EngineSystem:
                 kv_tokens=int(setup["kv_tokens"]),
                 lane_policy=setup["lane_policy"],
                 prefix_cache=bool(setup["prefix_cache"]),
+                speculation=setup.get("speculation"),
             )
         )
         self.client = EngineClient(self.engine)
@@ -135,9 +138,11 @@ def _scheduler_state(engine: Any) -> str:
 
 class _TransformersSystem:
     def __init__(self, setup: dict[str, Any], models: tuple[tuple[str, str], ...]) -> None:
+        from polylane.bench.engine_client import resolve_source
         from polylane.bench.hf_client import TransformersRunner
 
-        self.runner = TransformersRunner(models, setup["dtype"], setup.get("assisted"))
+        resolved = tuple((name, resolve_source(source, models)) for name, source in models)
+        self.runner = TransformersRunner(resolved, setup["dtype"], setup.get("assisted"))
         self.runner.load_all()
         self.runner.warm_up()
 

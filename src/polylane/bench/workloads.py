@@ -18,10 +18,18 @@ Workloads:
   [max_tokens / 2, max_tokens].
 - `shared-prefix`: `prefixes` long system prompts (about 600 tokens each), each shared by many
   requests that ask short questions under it; models by Zipf popularity, Poisson arrivals.
-- `spec`: phase `drafting-pays` (extraction, code edits, copying: the answer repeats the prompt,
-  so n-gram prompt lookup and small drafters hit) and phase `drafting-does-not-pay` (open
-  creative writing), one request at a time, stopping at end of sequence (output lengths are then
-  the model's own). Speculation metrics stay empty until the engine reports them.
+- `shared-prefix` with `cross_model`: the prefill shared across models. The first model is the
+  provider, every other one a consumer (a model sharing a layer band with it: a sibling, or an
+  alias). One phase per consumer, named after it, one request at a time: for each of `requests`
+  document prompts of about `prompt_tokens` tokens (sent as plain text), the provider prefills
+  it (category `provider`), then the consumer gets the same prompt (`shared`: its lower band comes
+  from the provider's cache) and one that no model has seen (`cold`: the same notes under another
+  reference tag, so the same length but no cached block in common), in alternating order so drift
+  falls on both alike.
+- `spec`: one phase per prompt category (`categories`; default code, chat and extraction; also
+  code-edit, repetitive, creative, summarisation), all requests to the first model (the target;
+  any other model is served only to draft for it), one at a time, stopping at end of sequence
+  (output lengths are then the model's own).
 
 Every request starts with a short reference tag drawn from (seed, repeat, index), so repeats never
 find each other's prompts in a prefix cache (a server that stays up between repeats would
@@ -41,8 +49,9 @@ from typing import Any
 
 WORKLOADS = ("single", "mix", "shared-prefix", "spec")
 MIX_CATEGORIES = ("chat", "code", "extraction", "summarisation")
-DRAFTING_PAYS = ("extraction", "code-edit", "repetitive")
-DRAFTING_DOES_NOT_PAY = ("creative",)
+SPEC_CATEGORIES = ("code", "chat", "extraction")  # issue 8's list; drafting pays most on extraction
+PROMPT_CATEGORIES = ("chat", "code", "extraction", "summarisation", "code-edit", "repetitive", "creative")
+CROSS_MODEL_CATEGORIES = ("provider", "shared", "cold")
 DOCUMENT_SOURCES = ("summarisation", "extraction", "system")
 
 
@@ -165,6 +174,8 @@ class WorkloadOptions:
     prompt_tokens: int = 512  # single: the prefill prompt's length (approximate)
     batch: int = 8  # single: requests decoding together in the batch phase
     prefixes: int = 3  # shared-prefix: distinct system prompts
+    categories: tuple[str, ...] = SPEC_CATEGORIES  # spec: one phase per prompt category
+    cross_model: bool = False  # shared-prefix: across models (first provider, others consumers)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -178,10 +189,19 @@ class WorkloadOptions:
             raise ValueError(f"rate must be >= 0 (0: all at once), got {self.rate}")
         if self.batch < 1 or self.prefixes < 1 or self.prompt_tokens < 16:
             raise ValueError("batch and prefixes must be >= 1, prompt_tokens >= 16")
+        unknown = [c for c in self.categories if c not in PROMPT_CATEGORIES]
+        if unknown or not self.categories:
+            raise ValueError(f"categories must be among {', '.join(PROMPT_CATEGORIES)}, got {unknown}")
+        if self.cross_model and len(self.models) < 2:
+            raise ValueError("cross-model shared-prefix needs a provider and at least one consumer model")
+
+    def defaults_key(self, workload: str) -> str:
+        """The key of `DEFAULTS` for this workload and mode."""
+        return "cross-model" if workload == "shared-prefix" and self.cross_model else workload
 
     def resolved(self, workload: str) -> WorkloadOptions:
         """These options with the workload's defaults filled in."""
-        defaults = DEFAULTS[workload]
+        defaults = DEFAULTS[self.defaults_key(workload)]
         return replace(
             self,
             requests=self.requests if self.requests is not None else defaults["requests"],
@@ -196,6 +216,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "mix": {"requests": 48, "max_tokens": 48, "concurrency": 8, "rate": 1.0},
     "shared-prefix": {"requests": 24, "max_tokens": 32, "concurrency": 4, "rate": 1.0},
     "spec": {"requests": 4, "max_tokens": 64, "concurrency": 1, "rate": 0.0},
+    "cross-model": {"requests": 3, "max_tokens": 1, "concurrency": 1, "rate": 0.0},
 }
 
 
@@ -337,6 +358,8 @@ def _mix(options: WorkloadOptions, rng: random.Random, repeat: int) -> tuple[Pha
 
 
 def _shared_prefix(options: WorkloadOptions, rng: random.Random, repeat: int) -> tuple[Phase, ...]:
+    if options.cross_model:
+        return _cross_model(options, rng, repeat)
     count = options.requests or 1
     systems = list(load_prompts("system"))[: options.prefixes]
     if len(systems) < options.prefixes:
@@ -366,28 +389,61 @@ def _shared_prefix(options: WorkloadOptions, rng: random.Random, repeat: int) ->
     return (Phase("shared-prefix", tuple(requests), options.concurrency or 0, description),)
 
 
+def _cross_model(options: WorkloadOptions, rng: random.Random, repeat: int) -> tuple[Phase, ...]:
+    count, max_tokens = options.requests or 1, options.max_tokens or 1
+    provider, consumers = options.models[0], options.models[1:]
+    words = max(8, round(options.prompt_tokens * 0.75))  # English: about 4/3 tokens per word
+
+    phases = []
+    for consumer in consumers:
+        requests: list[BenchRequest] = []
+        for i in range(count):
+            # The same notes under two tags: the same length, but no whole block in common.
+            notes = f"Read these notes.\n\n{document(rng, words)}"
+            shared = _user(options, repeat, f"{consumer}-shared-{i}", notes)
+            cold = _user(options, repeat, f"{consumer}-cold-{i}", notes)
+            made = {
+                kind: BenchRequest(f"{consumer}-{kind}-{i}", model, kind, text, max_tokens, chat=False)
+                for kind, model, text in (
+                    ("provider", provider, shared),
+                    ("shared", consumer, shared),
+                    ("cold", consumer, cold),
+                )
+            }
+            order = ("shared", "cold") if (i + repeat) % 2 == 0 else ("cold", "shared")
+            requests += [made["provider"], made[order[0]], made[order[1]]]
+        phases.append(
+            Phase(
+                consumer,
+                tuple(requests),
+                1,
+                f"{_plural(count, 'prompt')} of about {options.prompt_tokens} tokens: {provider} prefills "
+                f"each, then {consumer} gets it (shared) and an unseen one (cold), one at a time",
+            )
+        )
+    return tuple(phases)
+
+
 def _spec(options: WorkloadOptions, rng: random.Random, repeat: int) -> tuple[Phase, ...]:
     count, max_tokens = options.requests or 1, options.max_tokens or 1
+    target = options.models[0]
     phases = []
-    for name, categories in (
-        ("drafting-pays", DRAFTING_PAYS),
-        ("drafting-does-not-pay", DRAFTING_DOES_NOT_PAY),
-    ):
-        pool = [e for c in categories for e in load_prompts(c)]
+    for category in options.categories:
+        pool = list(load_prompts(category))
         rng.shuffle(pool)
         requests = tuple(
             BenchRequest(
-                f"{name}-{i}",
-                options.models[i % len(options.models)],
-                pool[i % len(pool)].category,
-                _user(options, repeat, f"{name}-{i}", pool[i % len(pool)].prompt),
+                f"{category}-{i}",
+                target,
+                category,
+                _user(options, repeat, f"{category}-{i}", pool[i % len(pool)].prompt),
                 max_tokens,
                 ignore_eos=False,
             )
             for i in range(count)
         )
         phases.append(
-            Phase(name, requests, 1, f"{count} {'/'.join(categories)} prompts, one at a time, to EOS")
+            Phase(category, requests, 1, f"{_plural(count, category + ' prompt')}, one at a time, to EOS")
         )
     return tuple(phases)
 
