@@ -390,12 +390,14 @@ def plot_primary(results: dict[str, Any], path: Path) -> None:
         axis.tick_params(axis="x", labelsize=8, rotation=20)
         axis.tick_params(axis="y", labelsize=8)
         axis.margins(y=0.15)
-    figure.suptitle(
-        f"polylane bench {results['workload']}: median of {results['settings']['repeats']}", fontsize=10
-    )
+    _finish(figure, path, f"polylane bench {results['workload']}: median of {results['settings']['repeats']}")
+
+
+def _finish(figure: Any, path: Path, title: str) -> None:
+    figure.suptitle(title, fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
-    plt.close(figure)
+    _pyplot().close(figure)
 
 
 def plot_cross_model(results: dict[str, Any], path: Path) -> None:
@@ -424,12 +426,11 @@ def plot_cross_model(results: dict[str, Any], path: Path) -> None:
         axis.tick_params(axis="y", labelsize=8)
         axis.legend(fontsize=8, frameon=False)
         axis.margins(y=0.15)
-    figure.suptitle(
-        f"polylane bench shared-prefix across models: median of {results['settings']['repeats']}", fontsize=10
+    _finish(
+        figure,
+        path,
+        f"polylane bench shared-prefix across models: median of {results['settings']['repeats']}",
     )
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
 
 
 def plot_latency(results: dict[str, Any], path: Path) -> None:
