@@ -337,10 +337,14 @@ def _reference_probabilities(logits: torch.Tensor, params: SamplingParams) -> to
 @pytest.mark.parametrize(
     "filters", [{"top_p": 0.9}, {"top_p": 0.5}, {"min_p": 0.05}, {"top_p": 0.95, "min_p": 0.01}]
 )
-def test_the_partial_top_k_shortcut_gives_the_full_sort_distribution(scale: float, filters: dict) -> None:
+@pytest.mark.parametrize("vocab", [5000, 49152])
+def test_the_shortcuts_give_the_full_sort_distribution(scale: float, filters: dict, vocab: int) -> None:
+    """The partial top-k head (peaked rows) and the probability buckets (flat rows) against a
+    full stable sort, with ties at the top and a run of equal values wherever the cut may land."""
     for seed in range(5):
-        logits = torch.randn(5000, generator=torch.Generator().manual_seed(seed)) * scale
+        logits = torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * scale
         logits[7] = logits[8] = logits.max()  # a tie at the top
+        logits[100:400] = logits[1000]  # many equal tokens: the cut may fall among them
         params = SamplingParams(temperature=0.8, **filters)
         got = RequestSampler(params).probabilities(logits)
         want = _reference_probabilities(logits, params)

@@ -31,8 +31,13 @@ __all__ = ["RequestSampler", "sample_rows"]
 # arithmetic (e.g. 0.5 + 0.3 against top_p = 0.8) is not lost to float32 rounding.
 _TOP_P_SLACK = 1e-6
 
-# Sizes of the partial top-k heads a top-p / min-p cut is looked for in (see `_cut_in_partial_heads`).
-_PARTIAL_HEADS = (256, 4096)
+# The partial top-k head a top-p / min-p cut is looked for in first (see `_support_without_sort`).
+_PARTIAL_HEAD = 256
+# Past that head (see `_support_by_buckets`): buckets per split, splits at most, and how few tokens
+# are sorted rather than split again.
+_NUM_BUCKETS = 256
+_BUCKET_LEVELS = 4
+_SORT_AT_MOST = 1024
 
 
 class RequestSampler:
@@ -96,27 +101,67 @@ class RequestSampler:
             head, order = torch.topk(probs, top_k, sorted=True)
             keep = self._cut(head, float(torch.sum(head, dtype=torch.float64)))
         else:
-            head, order, keep = self._cut_in_partial_heads(probs)
+            return self._support_without_sort(probs)
         kept = head[:keep]
         return order[:keep], kept / kept.sum()
 
-    def _cut_in_partial_heads(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Top-p / min-p over the whole vocabulary without sorting all of it.
+    def _support_without_sort(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-p / min-p over the whole vocabulary without sorting all of it (exact).
 
-        Most of the mass sits in a few tokens: the cut is looked for in growing partial top-k
-        heads, and the whole vocabulary is sorted only when the cut is not provably inside the
-        largest (it reaches the head's end, or a tie straddles it).
+        Most of the mass usually sits in a few tokens: the cut is looked for in a partial top-k
+        head first. Past it (flat distributions), `_support_by_buckets` narrows the cut down.
         """
         total = float(torch.sum(probs, dtype=torch.float64))
-        for size in _PARTIAL_HEADS:
-            if size >= probs.shape[0]:
-                break
-            head, order = torch.topk(probs, size, sorted=True)
+        if probs.shape[0] > _PARTIAL_HEAD:
+            head, order = torch.topk(probs, _PARTIAL_HEAD, sorted=True)
             keep = self._cut(head, total)
-            if keep < size and head[keep - 1] != head[keep]:
-                return head, order, keep
-        head, order = torch.sort(probs, descending=True, stable=True)
-        return head, order, self._cut(head, total)
+            if keep < _PARTIAL_HEAD and head[keep - 1] != head[keep]:
+                kept = head[:keep]
+                return order[:keep], kept / kept.sum()
+        return self._support_by_buckets(probs, total)
+
+    def _support_by_buckets(self, probs: torch.Tensor, total: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """min-p alone is a threshold. For top-p, the tokens still in question are split into
+        equal-width probability buckets; those above the bucket where the cumulative mass reaches
+        top-p are kept whole, those below dropped, and the crossing bucket is split again until
+        few enough are left to sort. That finds the smallest kept probability; the kept set is
+        every token above it and the lowest-id tokens equal to it. Bucketing by
+        `floor((p - lo) * c)` is monotone in p and equal probabilities share a bucket, so the set
+        is exactly the full stable sort's prefix (kept ids come out in id order, not by rank).
+        """
+        p = self.params
+        floor = p.min_p * float(probs.max()) if p.min_p > 0.0 else 0.0
+        if p.top_p >= 1.0:
+            ids = torch.nonzero(probs >= floor).squeeze(1)
+            kept = probs[ids]
+            return ids, kept / kept.sum()
+        target = p.top_p * total - _TOP_P_SLACK
+        values, mass_above = probs, 0.0
+        for _ in range(_BUCKET_LEVELS):
+            low, high = values.min(), values.max()
+            if values.shape[0] <= _SORT_AT_MOST or low == high:
+                break
+            scaled = (values - low) * (_NUM_BUCKETS / (high - low))
+            bucket = (_NUM_BUCKETS - 1) - scaled.floor_().clamp_(max=_NUM_BUCKETS - 1).long()  # 0: largest
+            mass = torch.zeros(_NUM_BUCKETS, dtype=torch.float64).scatter_add_(0, bucket, values.double())
+            cumulative = mass_above + torch.cumsum(mass, dim=0)
+            crossing = min(int(torch.searchsorted(cumulative, target)), _NUM_BUCKETS - 1)
+            if crossing > 0:
+                mass_above = float(cumulative[crossing - 1])
+            values = values[bucket == crossing]
+        values = torch.sort(values, descending=True).values
+        within = mass_above + torch.cumsum(values, dim=0, dtype=torch.float64)
+        keep = min(int(torch.searchsorted(within, target)) + 1, values.shape[0])
+        last = values[keep - 1]  # the smallest kept probability; ties at it: lower ids first
+        ties = int((values[:keep] == last).sum())
+        ids = torch.cat(
+            [torch.nonzero(probs > last).squeeze(1), torch.nonzero(probs == last).squeeze(1)[:ties]]
+        )
+        kept = probs[ids]
+        if floor > 0.0:  # min-p after top-p (the most likely token always survives)
+            survive = kept >= floor
+            ids, kept = ids[survive], kept[survive]
+        return ids, kept / kept.sum()
 
     def _cut(self, head: torch.Tensor, total: float) -> int:
         """How many of `head` (probabilities sorted descending) survive top-p and min-p, where
