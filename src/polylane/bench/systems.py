@@ -21,6 +21,8 @@ Systems:
 - `transformers-assisted`: transformers assisted generation with `SystemSettings.drafter` as the
   assistant model, or n-gram prompt lookup when no drafter is given.
 - `transformers-lookup`: transformers prompt lookup (n-gram, `prompt_lookup_num_tokens=10`).
+- `llama.cpp`: llama.cpp's Python bindings on the same GGUF file, its own quantised weights and
+  kernels, one sequence at a time (`llamacpp_client`; `pip install 'polylane[llamacpp]'`).
 
 Baselines serve `SystemSettings.baseline_models` (the spec bench: the target alone, since the other
 models only draft for it) or every model.
@@ -57,6 +59,7 @@ SYSTEMS: dict[str, str] = {
     "transformers": "Hugging Face transformers generate on the same GGUF, same dtype",
     "transformers-assisted": "transformers assisted generation (the drafter, or n-gram prompt lookup)",
     "transformers-lookup": "transformers n-gram prompt lookup (prompt_lookup_num_tokens=10)",
+    "llama.cpp": "llama.cpp (llama-cpp-python) on the same GGUF, its own weights, one sequence at a time",
 }
 VARIANTS = tuple(name for name in SYSTEMS if name.startswith(VARIANT_PREFIX))
 BASELINES = tuple(name for name in SYSTEMS if name != "polylane" and name not in VARIANTS)
@@ -328,6 +331,9 @@ def _make_system(name: str, settings: SystemSettings, url: str | None, api_key: 
             setup["assisted"] = settings.drafter or "prompt-lookup"
         elif name == "transformers-lookup":
             setup["assisted"] = "prompt-lookup"
+        return WorkerSystem(name, setup, baseline_models, per_model=False)
+    if name == "llama.cpp":
+        setup = {"kind": "llama.cpp", "threads": settings.threads}
         return WorkerSystem(name, setup, baseline_models, per_model=False)
     raise ValueError(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
 

@@ -17,8 +17,8 @@ prints goes to its stderr: the real stdout carries the protocol only.
 Setups: `{"kind": "engine", "models": [[name, source], ...], "dtype", "budget_bytes",
 "kv_tokens", "lane_policy", "prefix_cache", "threads", "speculation"}` (polylane and its mode
 variants, plain, one of the per-process engines; `speculation` is the first model's, as
-`Engine.add_model` takes it, or null) or `{"kind": "transformers", "models", "dtype", "assisted",
-"threads"}`.
+`Engine.add_model` takes it, or null), `{"kind": "transformers", "models", "dtype", "assisted",
+"threads"}` or `{"kind": "llama.cpp", "models", "threads"}`.
 """
 
 from __future__ import annotations
@@ -63,9 +63,11 @@ def _serve(protocol: TextIO) -> None:
     models = tuple((name, source) for name, source in setup["models"])
     started = time.perf_counter()
     if setup["kind"] == "engine":
-        system: _EngineSystem | _TransformersSystem = _EngineSystem(setup, models)
+        system: _EngineSystem | _TransformersSystem | _LlamaCppSystem = _EngineSystem(setup, models)
     elif setup["kind"] == "transformers":
         system = _TransformersSystem(setup, models)
+    elif setup["kind"] == "llama.cpp":
+        system = _LlamaCppSystem(setup, models)
     else:
         raise ValueError(f"unknown worker kind {setup['kind']!r}")
     _answer(protocol, {"event": "ready", "load_seconds": time.perf_counter() - started})
@@ -151,6 +153,17 @@ class _TransformersSystem:
 
     def close(self) -> None:
         pass
+
+
+class _LlamaCppSystem(_TransformersSystem):
+    def __init__(self, setup: dict[str, Any], models: tuple[tuple[str, str], ...]) -> None:
+        from polylane.bench.engine_client import resolve_source
+        from polylane.bench.llamacpp_client import LlamaCppRunner
+
+        resolved = tuple((name, resolve_source(source, models)) for name, source in models)
+        self.runner = LlamaCppRunner(resolved, int(setup.get("threads") or 0))  # type: ignore[assignment]
+        self.runner.load_all()
+        self.runner.warm_up()
 
 
 if __name__ == "__main__":
