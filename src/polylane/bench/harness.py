@@ -186,7 +186,7 @@ def assemble(
             for d in workloads.describe(workload)
         ],
         "systems": out_systems,
-        "speculation": speculation(summary, phase_names),
+        "speculation": speculation(summary, phase_names, runs),
         "timelines": timelines,
     }
     if options.cross_model:
@@ -230,7 +230,7 @@ def rebuild(results: dict[str, Any]) -> dict[str, Any]:
     summary, ratio, paired = summaries(runs, phase_names)
     for name, system in results["systems"].items():
         system.update(summary=summary[name], ratio=ratio[name], paired_ratio=paired[name])
-    results["speculation"] = speculation(summary, phase_names)
+    results["speculation"] = speculation(summary, phase_names, runs)
     if results["settings"].get("cross_model"):
         results["cross_model"] = cross_model(summary, phase_names)
     return results
@@ -248,18 +248,28 @@ SPEC_KEYS = (
 )
 
 
-def speculation(summary: dict[str, Any], phases: Sequence[str]) -> dict[str, Any]:
+def speculation(
+    summary: dict[str, Any], phases: Sequence[str], runs: dict[str, list[dict[str, Any]]] | None = None
+) -> dict[str, Any]:
     """Per phase: polylane's acceptance rate and tokens per verify (None where the engine reports
     no speculation) and its wall-clock decode speedup over every other system (stream decode
     tokens/s); under `systems`, the same for polylane and each mode variant, with verify passes,
     chain / tree rounds and on/off decisions, the speedup taken over the systems that do not
-    speculate (plain, transformers, …)."""
+    speculate (plain, transformers, …), of the medians and (`speedup_paired`, given `runs`) the
+    median over repeats of each repeat's own ratio."""
     speculating = [name for name in summary if name == "polylane" or name in VARIANTS]
+    key = "stream_decode_tokens_per_s"
 
     def speedups(name: str, phase: str, over: Sequence[str]) -> dict[str, float | None]:
-        ours = summary[name][phase].get("stream_decode_tokens_per_s")
+        ours = summary[name][phase].get(key)
+        return {other: metrics.ratio(ours, summary[other][phase].get(key), "higher") for other in over}
+
+    def paired(name: str, phase: str, over: Sequence[str]) -> dict[str, float | None]:
+        if runs is None:
+            return {}
+        ours = [r["phases"][phase] for r in runs[name]]
         return {
-            other: metrics.ratio(ours, summary[other][phase].get("stream_decode_tokens_per_s"), "higher")
+            other: metrics.paired_ratios(ours, [r["phases"][phase] for r in runs[other]])[key]
             for other in over
         }
 
@@ -269,9 +279,10 @@ def speculation(summary: dict[str, Any], phases: Sequence[str]) -> dict[str, Any
         for name in speculating:
             spec = (summary[name][phase].get("engine") or {}).get("speculation") or {}
             per_system[name] = {
-                "decode_tokens_per_s": summary[name][phase].get("stream_decode_tokens_per_s"),
-                **{key: spec.get(key) for key in SPEC_KEYS},
+                "decode_tokens_per_s": summary[name][phase].get(key),
+                **{field: spec.get(field) for field in SPEC_KEYS},
                 "speedup": speedups(name, phase, [o for o in summary if o not in speculating]),
+                "speedup_paired": paired(name, phase, [o for o in summary if o not in speculating]),
             }
         out[phase] = {
             "acceptance_rate": per_system["polylane"]["acceptance_rate"],

@@ -217,12 +217,18 @@ def speculation_markdown(results: dict[str, Any]) -> list[str]:
     speculating = list(spec[phases[0]]["systems"]) if phases else []
     lines += [
         "",
-        "| speedup (decode tokens/s ÷) | " + " | ".join(phases) + " |",
+        "| speedup (decode tokens/s ÷), of the medians (paired) | " + " | ".join(phases) + " |",
         "|---|" + "---:|" * len(phases),
     ]
     for name in speculating:
         for other in spec[phases[0]]["systems"][name]["speedup"]:
-            cells = [_ratio(spec[phase]["systems"][name]["speedup"].get(other)) for phase in phases]
+            cells = []
+            for phase in phases:
+                row = spec[phase]["systems"][name]
+                paired = (row.get("speedup_paired") or {}).get(other)
+                cells.append(
+                    _ratio(row["speedup"].get(other)) + ("" if paired is None else f" ({_ratio(paired)})")
+                )
             lines.append(f"| {name} ÷ {other} | " + " | ".join(cells) + " |")
     lines += [
         "",
