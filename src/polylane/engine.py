@@ -22,7 +22,6 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +33,7 @@ from polylane.policy.spec_control import SpeculationConfig
 from polylane.policy.stop_strings import StopStringMatcher
 from polylane.runtime.detokenizer import IncrementalDetokenizer
 from polylane.runtime.digests import cached_digest
+from polylane.runtime.load_thread import TransientWorker
 from polylane.runtime.loader import estimate_weight_bytes, read_config
 from polylane.runtime.residency import DEFAULT_KV_TOKENS, ModelLease, ResidencyManager
 from polylane.runtime.runner import Runner
@@ -245,7 +245,7 @@ class Engine:
         self._wake = threading.Event()
         self._ids = itertools.count(1)
         self._submit_lock = threading.Lock()
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polylane-load")
+        self._loader = TransientWorker("polylane-load")  # lives only while it loads (see its module)
         self._stopping = False
         self.error: str | None = None
         self._thread = threading.Thread(target=self._run, name="polylane-engine", daemon=True)
@@ -368,7 +368,7 @@ class Engine:
         self._stopping = True
         self._wake.set()
         self._thread.join()
-        self._loader.shutdown(wait=True)
+        self._loader.shutdown()
         self.manager.close()
 
     def __enter__(self) -> Engine:

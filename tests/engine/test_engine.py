@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
+import time
 
 import pytest
 
@@ -104,6 +106,21 @@ def test_twelve_requests_over_three_models_under_a_two_model_budget(record_prope
     record_property("switches", stats.switches)
     record_property("evictions", stats.residency.pool.evictions)
     record_property("lane_share", stats.lane_share)
+
+
+def test_no_loader_thread_outlives_its_loads():
+    """A live thread that ran torch ops (a load) keeps an OpenMP team that halved decode speed
+    (`runtime.load_thread`): the engine's loader thread must end once its loads are done."""
+    fetch_or_skip(SMOL)
+    with Engine(EngineConfig(budget_bytes=_size(SMOL))) as engine:
+        engine.add_model(SMOL, dtype=DTYPE, kv_tokens=KV_TOKENS)
+        completion = engine.generate(SMOL, "The capital of France is", SamplingParams(max_tokens=2))
+        assert completion.finish_reason == "length"
+        deadline = time.monotonic() + 10
+        while [t for t in threading.enumerate() if t.name.startswith("polylane-load")]:
+            assert time.monotonic() < deadline, "the loader thread is still alive after its load"
+            time.sleep(0.05)
+        assert [t.name for t in threading.enumerate() if t.name == "polylane-engine"]
 
 
 def test_aborting_half_mid_stream_frees_their_blocks_and_the_rest_finish():
