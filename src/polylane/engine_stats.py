@@ -5,8 +5,11 @@ steps) and the `EngineStats` snapshot built from it, the scheduler's counters, t
 (the observed number of models decoding at once, never a constant) and the residency counters.
 
 Switch cost: a decode step whose lane owner differs from the previous decode step's is a switch
-step. `switch_overhead` = switches × (mean seconds per token of switch steps − mean of the other
-decode steps) / total decode seconds: the share of lane time that switching cost (≤ 0: none seen).
+step. Steps are compared like for like: per (model, decode batch size), over steps that decode
+only (a step that also prefills takes longer for another reason), the switch steps' mean seconds
+against the other steps' mean. `switch_overhead` = the sum over those keys of switch steps ×
+(their mean − the steady mean), over total decode seconds: the share of lane time that switching
+cost (≤ 0: none seen; keys with no steady step to compare against are left out).
 """
 
 from __future__ import annotations
@@ -66,8 +69,8 @@ class StatsRecorder:
         self._prefill_steps = 0
         self._decode_seconds = 0.0
         self._last_lane: str | None = None
-        self._switch = [0.0, 0]  # seconds, tokens of switch steps
-        self._steady = [0.0, 0]
+        # (model, batch) → [switch seconds, switch steps, steady seconds, steady steps], decode-only steps
+        self._step_seconds: dict[tuple[str, int], list[float]] = {}
 
     def _model(self, name: str) -> ModelStats:
         return self._models.setdefault(name, ModelStats())
@@ -95,10 +98,14 @@ class StatsRecorder:
             if plan.decode_model is None or not plan.decode:
                 return
             self._decode_seconds += seconds
-            bucket = self._switch if self._last_lane not in (None, plan.decode_model) else self._steady
-            bucket[0] += seconds
-            bucket[1] += len(plan.decode)
+            switched = self._last_lane not in (None, plan.decode_model)
             self._last_lane = plan.decode_model
+            if plan.prefill:
+                return
+            sums = self._step_seconds.setdefault((plan.decode_model, len(plan.decode)), [0.0, 0, 0.0, 0])
+            offset = 0 if switched else 2
+            sums[offset] += seconds
+            sums[offset + 1] += 1
 
     def snapshot(
         self,
@@ -117,10 +124,12 @@ class StatsRecorder:
                 for name, m in self._models.items()
             }
             lane_steps = dict(counters.lane_steps)
-            overhead = 0.0
-            if self._switch[1] and self._steady[1] and self._decode_seconds:
-                extra = self._switch[0] / self._switch[1] - self._steady[0] / self._steady[1]
-                overhead = extra * self._switch[1] / self._decode_seconds
+            extra = sum(
+                switch_steps * (switch_seconds / switch_steps - steady_seconds / steady_steps)
+                for switch_seconds, switch_steps, steady_seconds, steady_steps in self._step_seconds.values()
+                if switch_steps and steady_steps
+            )
+            overhead = extra / self._decode_seconds if self._decode_seconds else 0.0
             decode_seconds, prefill_steps = self._decode_seconds, self._prefill_steps
         for name, steps in lane_steps.items():
             stats = models.setdefault(name, ModelStats())
