@@ -51,3 +51,39 @@ def test_quantized_model_stays_close_to_float32(fmt):
     assert 0 < module_bytes(model) < before
     with pytest.raises(ValueError, match="unknown"):
         quantize_model(model, "int2")
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(64, 32), (960, 576), (3072, 576), (576, 1536)])
+def test_int4_unpacking_reads_torchs_cpu_packing(out_features, in_features):
+    """The bf16 weight unpacked from torch's packed int4 equals what torch's own kernel multiplies
+    by (its product with the identity), element for element."""
+    torch.manual_seed(out_features + in_features)
+    projection = QuantizedProjection(torch.randn(out_features, in_features), None, 4)
+    unpacked = projection.dequantized_bf16()
+    assert unpacked.dtype == torch.bfloat16 and unpacked.shape == (out_features, in_features)
+    torch.testing.assert_close(unpacked.float(), projection.dequantized(), rtol=0, atol=0)
+
+
+def test_int4_many_rows_go_through_the_dequantised_weight(monkeypatch):
+    """From DEQUANTIZE_MIN_ROWS rows a projection multiplies by the unpacked bf16 weight; the
+    result agrees with torch's int4 kernel to bf16 rounding of the output."""
+    import polylane.runtime.quantize as quantize
+
+    torch.manual_seed(0)
+    projection = QuantizedProjection(torch.randn(192, 96), torch.randn(192), 4)
+    x = torch.randn(quantize.DEQUANTIZE_MIN_ROWS, 96)
+    calls = []
+    unpack = QuantizedProjection.dequantized_bf16
+    monkeypatch.setattr(QuantizedProjection, "dequantized_bf16", lambda self: calls.append(1) or unpack(self))
+    dense = projection(x)
+    assert calls, "many rows did not take the dequantised path"
+    kernel = (
+        torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), projection.qweight, quantize.INT4_GROUP, projection.scales
+        ).float()
+        + projection.bias.float()
+    )
+    assert (dense - kernel).abs().max() <= 2**-7 * kernel.abs().max()
+    calls.clear()
+    projection(x[: quantize.DEQUANTIZE_MIN_ROWS - 1])
+    assert not calls, "a few rows took the dequantised path"
