@@ -74,7 +74,12 @@ def test_int4_many_rows_go_through_the_dequantised_weight(monkeypatch):
     x = torch.randn(quantize.DEQUANTIZE_MIN_ROWS, 96)
     calls = []
     unpack = QuantizedProjection.dequantized_bf16
-    monkeypatch.setattr(QuantizedProjection, "dequantized_bf16", lambda self: calls.append(1) or unpack(self))
+
+    def counted(self, *rows):
+        calls.append(rows)
+        return unpack(self, *rows)
+
+    monkeypatch.setattr(QuantizedProjection, "dequantized_bf16", counted)
     dense = projection(x)
     assert calls, "many rows did not take the dequantised path"
     kernel = (

@@ -33,9 +33,9 @@ INT4_GROUP = 32
 # (SmolLM2 int4 prefill of 512 tokens: 434 tokens/s against 861 for llama.cpp), while the
 # unpacking costs about one pass over the weight. Decode steps and verify passes stay below it.
 DEQUANTIZE_MIN_ROWS = 128
-# The transient float32 copy is 4 bytes per weight: a larger matrix (a 150k-token vocabulary's
-# output projection asked for many rows of logits) stays on the int4 kernel.
-DEQUANTIZE_MAX_ELEMENTS = 1 << 26
+# The weight is dequantised a slice of output rows at a time, each slice's float32 transient under
+# this many elements (16 MiB: below glibc's mmap threshold at run time, so it reuses heap memory).
+DEQUANTIZE_BLOCK_ELEMENTS = 1 << 22
 
 
 class QuantizedProjection(nn.Module):
@@ -76,15 +76,13 @@ class QuantizedProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x16 = x.to(torch.bfloat16)
-        if (
-            x16.shape[0] >= DEQUANTIZE_MIN_ROWS
-            and self.bits == 4
-            and self.out_features % 64 == 0
-            and self.out_features * self.in_features <= DEQUANTIZE_MAX_ELEMENTS
-        ):
-            # many rows (prefill): one dequantised bf16 copy of the weight and a dense GEMM beat
+        if x16.shape[0] >= DEQUANTIZE_MIN_ROWS and self.bits == 4 and self.out_features % 64 == 0:
+            # many rows (prefill): dequantised bf16 slices of the weight and dense GEMMs beat
             # torch's int4 kernel, which is fast only for a few rows (see DEQUANTIZE_MIN_ROWS)
-            y = linear(x16, self.dequantized_bf16(), None, input_major=False)
+            step = max(64, DEQUANTIZE_BLOCK_ELEMENTS // self.in_features // 64 * 64)
+            bounds = [(a, min(a + step, self.out_features)) for a in range(0, self.out_features, step)]
+            parts = [linear(x16, self.dequantized_bf16(a, b), None, input_major=False) for a, b in bounds]
+            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         elif self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x16, self.qweight, self.scales)
         else:
@@ -93,19 +91,21 @@ class QuantizedProjection(nn.Module):
             y = y + self.bias
         return y.to(x.dtype)
 
-    def dequantized_bf16(self) -> torch.Tensor:
-        """The int4 weight (N, K) as bf16, unpacked from torch's CPU packing (N a multiple of 64).
+    def dequantized_bf16(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows [start, stop) of the int4 weight (N, K) as bf16 (bounds multiples of 64), unpacked
+        from torch's CPU packing (N a multiple of 64).
 
         `_convert_weight_to_int4pack_for_cpu` stores (N, K/2) bytes that read as (N/64, K/2, 64):
         byte [b, k // 2, n % 32 + 32 · (k % 2)] holds row 64·b + n % 64 of column k, in its low
         nibble for n % 64 < 32 and its high nibble otherwise (checked against the packer in
         tests/runtime/test_quantize.py). A transient copy: nothing is kept between calls.
         """
-        n, k = self.out_features, self.in_features
-        packed = self.qweight.view(n // 64, k // 2, 2, 32)  # [b, k // 2, k % 2, n % 32]
+        stop = self.out_features if stop is None else stop
+        n, k = stop - start, self.in_features
+        packed = self.qweight.view(-1, k // 2, 2, 32)[start // 64 : stop // 64]  # [b, k//2, k%2, n%32]
         halves = torch.stack([packed & 0xF, packed >> 4], dim=1)  # [b, n // 32 % 2, k // 2, k % 2, n % 32]
         q = halves.permute(0, 1, 4, 2, 3).reshape(n, k // INT4_GROUP, INT4_GROUP)
-        scales, zeros = self.scales.permute(2, 1, 0)[:, :, :, None]  # (N, K / group, 1) each
+        scales, zeros = self.scales[:, start:stop].permute(2, 1, 0)[:, :, :, None]  # (n, K / group, 1)
         # in float32, rounded once: the very weight torch's int4 kernel multiplies by
         return ((q.float() - 8) * scales.float() + zeros.float()).view(n, k).to(torch.bfloat16)
 
