@@ -6,10 +6,9 @@ a thread it starts on demand and that ends as soon as its queue is empty.
 Why not a `ThreadPoolExecutor`: its threads live as long as the executor. A thread that has run
 torch ops owns an OpenMP thread team for as long as it lives, and libgomp, once a process holds
 more OpenMP threads than CPUs, stops spinning between parallel regions and puts its workers to
-sleep instead, so every op of the thread that does run pays a futex wake. Measured on SmolLM2
-(fp32, 2 cores, 2 threads): a decode step took 29 ms with the engine thread alone and 55 ms while
-one idle loader thread that had loaded a model was still alive. Model loads run torch ops, so the
-engine keeps its loader thread only while it loads.
+sleep instead, so every op of the thread that does run pays a futex wake (`bench/thread_teams.py`:
+a one-row matmul 240 µs alone, 345 µs while one such idle thread lives). Model loads run torch ops,
+so the engine keeps its loader thread only while it loads.
 """
 
 from __future__ import annotations
@@ -72,8 +71,8 @@ class TransientWorker:
 def run_in_transient_thread(call: Callable[..., Any], *args: Any, name: str = "polylane-load") -> Any:
     """Run `call(*args)` on a fresh thread that ends with it; return its result or raise its error.
 
-    For loads requested from long-lived threads (the server's main thread, a thread pool): the
-    load's OpenMP team goes away with the thread instead of slowing the engine from then on.
+    Every model load goes through it (`ResidencyManager._load`), whichever long-lived thread asks:
+    the load's OpenMP team goes away with the thread instead of slowing the engine from then on.
     """
     outcome: list[Any] = []
 

@@ -38,6 +38,7 @@ from polylane.policy.residency import (
     ResidencyError,
     ResidencyPool,
 )
+from polylane.runtime.load_thread import run_in_transient_thread
 from polylane.runtime.loaded_model import LoadedModel, load_model
 from polylane.runtime.loader import LoadError, estimate_weight_bytes, parse_dtype
 from polylane.runtime.model_kv import ModelKV
@@ -287,6 +288,12 @@ class ResidencyManager:
             return 0
 
     def _load(self, spec: ModelSpec) -> ResidentModel:
+        """Load on a thread that ends with the load, whichever thread asks (the server's main
+        thread, a request pool, the engine's loader): a live thread that has run torch ops slows
+        every op of the engine thread from then on (see `runtime.load_thread`)."""
+        return run_in_transient_thread(self._load_here, spec)
+
+    def _load_here(self, spec: ModelSpec) -> ResidentModel:
         rss_before = psutil.Process().memory_info().rss
         started = time.perf_counter()
         with _weights_in_own_mappings():
@@ -363,7 +370,7 @@ def _weights_in_own_mappings() -> Iterator[None]:
     0.5B bf16, RSS stayed 686 MiB above its pre-load level after a second load/unload, against
     72 MiB with the threshold fixed. Only while loading, though: with a 1 MiB threshold at run
     time every activation of a prefill chunk was a fresh mapping, page-faulted in and unmapped
-    again (SmolLM2 int4 prefill of 512 tokens: 1,316 tokens/s with the heap, 464 without).
+    again (`python bench/engine_paths.py --dtype int4`: docs/profile.md).
     Setting the threshold also stops glibc's dynamic adjustment.
     """
     _set_mmap_threshold(LOAD_MMAP_THRESHOLD)

@@ -22,7 +22,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from polylane.engine import Engine, EngineConfig
 from polylane.policy.scheduler import SchedulerConfig
-from polylane.runtime.load_thread import run_in_transient_thread
 from polylane.server import errors, routes_admin, routes_openai
 from polylane.server.config import ServerConfig
 from polylane.server.errors import error_response
@@ -150,11 +149,6 @@ def build_state(config: ServerConfig, *, quiet: bool = False) -> ServerState:
     return ServerState(engine, config.limits, config.api_key, aliases)
 
 
-def _hold_briefly(manager: Any, name: str) -> None:
-    with manager.acquire(name):
-        pass
-
-
 def serve(config: ServerConfig) -> None:
     import uvicorn
 
@@ -163,9 +157,8 @@ def serve(config: ServerConfig) -> None:
     started = time.perf_counter()
     print(f"polylane: loading {first} …", file=sys.stderr, flush=True)
     try:
-        # the first model is ready before the port opens; loaded on a thread that then ends, as
-        # this one serves HTTP from now on (see runtime.load_thread)
-        run_in_transient_thread(_hold_briefly, state.engine.manager, first)
+        with state.engine.manager.acquire(first):
+            pass  # the first model is ready before the port opens
     except Exception as error:  # keep serving the others; the first request will say why
         print(f"polylane: {first} failed to load: {error}", file=sys.stderr, flush=True)
     else:

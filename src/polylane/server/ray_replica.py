@@ -37,7 +37,6 @@ import ray
 from ray import serve
 from starlette.types import ASGIApp, Message
 
-from polylane.runtime.load_thread import run_in_transient_thread
 from polylane.server.config import ServerConfig
 from polylane.server.errors import error_body
 
@@ -223,11 +222,8 @@ class PolylaneReplica:
         return model
 
     def _load(self, model: str) -> None:
-        def acquire() -> None:
-            with self.state.engine.manager.acquire(model):
-                pass  # resident now; requests take their own leases
-
-        run_in_transient_thread(acquire)  # its OpenMP team ends with it (see runtime.load_thread)
+        with self.state.engine.manager.acquire(model):
+            pass  # resident now; requests take their own leases
 
     def _forget_evicted(self) -> None:
         """Drop from Ray's list of models held here those the byte budget has evicted since.

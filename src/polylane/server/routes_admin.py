@@ -14,7 +14,6 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from polylane.policy.residency import ResidencyError, UnknownModelError
-from polylane.runtime.load_thread import run_in_transient_thread
 from polylane.runtime.residency import ModelLoadError
 from polylane.server.errors import ApiError
 from polylane.server.protocol import BudgetRequest
@@ -35,11 +34,8 @@ def _run(operation: Any, *args: Any) -> Any:
 
 
 def _load(manager: Any, name: str) -> None:
-    def acquire() -> None:
-        with manager.acquire(name):
-            pass  # resident now; the lease goes back at once
-
-    run_in_transient_thread(acquire)  # not on the pool's long-lived thread (see load_thread)
+    with manager.acquire(name):
+        pass  # resident now; the lease goes back at once
 
 
 @router.get("/models")
