@@ -13,6 +13,7 @@ from polylane.runtime.batch import ForwardBatch
 from polylane.runtime.kv_cache import PagedKVCache
 from polylane.runtime.layers import ForwardContext, Projection, RMSNorm, RotaryTable, linear
 from polylane.runtime.model_config import GLOBAL, SLIDING, ModelConfig
+from polylane.runtime.native.int4_stack import Int4Stack
 
 
 class DecoderModel(nn.Module):
@@ -33,6 +34,8 @@ class DecoderModel(nn.Module):
         self.vocab_columns: nn.Parameter | None = None
         self.weight_dtype = torch.float32
         self._rotary: dict[str, RotaryTable] = {}
+        # the whole stack in one C call where the model allows it (int4 Llama/Qwen2: quantize.py)
+        self.native_stack: Int4Stack | None = None
 
     def choose_layouts(self, dtype: torch.dtype) -> set[str]:
         """Decide run-time weight layouts before loading (on the meta device).
@@ -93,6 +96,10 @@ class DecoderModel(nn.Module):
         `ModelKV.extend_from_band`). The input of every layer the cache records boundary states
         for (`PagedKVCache.add_boundary`) is stored on the way, the final one included.
         """
+        if self.native_stack is not None and hidden is None and not start_layer:
+            logits = self.native_stack.forward(self, batch, kv_cache)
+            if logits is not None:
+                return logits
         if hidden is None:
             if start_layer:
                 raise ValueError("starting above layer 0 needs that layer's input hidden state")

@@ -1,0 +1,1 @@
+"""polylane's C kernels (built once per machine on first use) and their Python bindings."""

@@ -1,0 +1,352 @@
+/* The whole layer stack of a Llama/Qwen2 decoder with int4 weights, for a few tokens at a time.
+ *
+ * What this file owns: one call that runs every layer (RMSNorm, fused QKV, RoPE, paged-KV write,
+ * grouped-query attention over the paged cache, output projection, gated SiLU MLP, residuals),
+ * the final norm and the output projection for a flat batch of T tokens, in place of the ~45
+ * eager torch ops per layer whose fixed costs dominate a 4-bit decode step (docs/profile.md).
+ * Python builds the model description once (runtime/native/int4_stack.py) and the per-forward
+ * index arrays; this file does arithmetic only and allocates nothing that outlives a call.
+ *
+ * Weights are torch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu`), read in place:
+ * for each block of 64 output rows and each pair of input columns (k = 2kk, 2kk + 1), 64 bytes
+ * where byte j < 32 holds column 2kk and byte j >= 32 column 2kk + 1, of row j % 32 in the low
+ * nibble and row 32 + j % 32 in the high nibble; one (scale, zero) bf16 pair per group of 32
+ * columns and output row, w = (q - 8) * scale + zero. Activations are rounded to bf16, as torch's
+ * kernel takes them, and products accumulate in float32 (AVX512-BF16 dot products).
+ *
+ * Every token's arithmetic is the same whatever else is in the batch (rows never mix, and each
+ * row's sums run in one fixed order), so a verify pass gives a token exactly the logits a decode
+ * step would: speculation stays lossless against this kernel.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GROUP 32
+/* How far ahead of the column pair being multiplied the weight stream is prefetched: without it
+ * one-row matmuls read memory at ~10 GB/s of the ~23 two cores can stream (SmolLM2 decode step
+ * 6.9 -> 4.3 ms; 1 KiB ahead gave 5.6 ms, 8 KiB 4.5 ms). */
+#define PREFETCH_BYTES 4096
+
+typedef struct {
+    const uint8_t *packed;   /* (N/64, K/2, 64) */
+    const uint32_t *scales;  /* (K/32, N): bf16 scale in the low half, bf16 zero in the high half */
+    const uint16_t *bias;    /* (N,) bf16, or NULL */
+    int64_t in_features, out_features;
+} Int4Matrix;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* (E,) */
+    Int4Matrix qkv, o, gate_up, down;
+    float *keys, *values; /* (slots, Hkv * D) */
+} Layer;
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, vocab;
+    float eps, scale;
+    const Layer *layers;
+    const float *final_norm;
+    Int4Matrix lm_head;
+} Model;
+
+typedef struct {
+    int64_t tokens;          /* T */
+    const float *rotations;  /* (T, D/2, 2): cos, sin of each token's position */
+    const int64_t *slots;    /* (T,) where each token's K/V is written */
+    const int64_t *context;  /* (B, C) cache slots each sequence reads */
+    int64_t context_len;     /* C */
+    const int64_t *sequence; /* (T,) row of `context` each token reads */
+    const uint8_t *visible;  /* (T, C): key c visible to token t */
+    int64_t num_logits;      /* R */
+    const int64_t *logit_rows; /* (R,) */
+    int threads;
+} Step;
+
+int polylane_int4_supported(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+
+static inline uint16_t to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(bits >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* Activations of M rows as bf16 column pairs (M, K/2) and their bf16 sums per group (M, K/32). */
+static void prepare_rows(const float *x, int64_t rows, int64_t k, uint16_t *x16, float *group_sums) {
+    for (int64_t m = 0; m < rows; m++) {
+        for (int64_t i = 0; i < k; i++) x16[m * k + i] = to_bf16(x[m * k + i]);
+        for (int64_t g = 0; g < k / GROUP; g++) {
+            float s = 0.0f;
+            for (int64_t i = 0; i < GROUP; i++) s += from_bf16(x16[m * k + g * GROUP + i]);
+            group_sums[m * (k / GROUP) + g] = s;
+        }
+    }
+}
+
+/* Unpack the 64 bytes of one column pair of a 64-row block into four vectors of bf16 pairs
+ * (rows 0-15, 16-31, 32-47, 48-63; each 32-bit lane holds the row's two columns). Each nibble q
+ * becomes the bf16 number 128 + q by pairing it with the byte 0x43 (vpermt2b). */
+static inline __attribute__((always_inline)) void unpack_pair(const uint8_t *bytes, const __m512i pick[2],
+                                                              __m512bh w[4]) {
+    const __m512i nibble = _mm512_set1_epi8(0x0f), exponent = _mm512_set1_epi8(0x43);
+    const __m512i packed = _mm512_loadu_si512(bytes);
+    const __m512i low = _mm512_and_si512(packed, nibble);
+    const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+    w[0] = (__m512bh)_mm512_permutex2var_epi8(low, pick[0], exponent);
+    w[1] = (__m512bh)_mm512_permutex2var_epi8(low, pick[1], exponent);
+    w[2] = (__m512bh)_mm512_permutex2var_epi8(high, pick[0], exponent);
+    w[3] = (__m512bh)_mm512_permutex2var_epi8(high, pick[1], exponent);
+}
+
+/* acc[m][j] = sum over one group's 16 column pairs of x pair · weight pair, for `rows` rows of x.
+ * The pairs are split over four interleaved partial sums (pairs s, s + 4, s + 8, s + 12), added
+ * in a fixed order: four independent chains keep the dot-product unit busy when one row runs
+ * alone (a single chain is latency-bound), and a row's sum is the same whatever `rows` is. */
+static inline __attribute__((always_inline)) void group_dot(const uint8_t *base, const uint32_t *x_pairs,
+                                                            int64_t pairs, int64_t first, const int rows,
+                                                            const __m512i pick[2], __m512 acc[4][4]) {
+    for (int s = 0; s < 4; s++) {
+        __m512 part[4][4];
+        for (int m = 0; m < rows; m++)
+            for (int j = 0; j < 4; j++) part[m][j] = _mm512_setzero_ps();
+        for (int64_t kk = first + s; kk < first + GROUP / 2; kk += 4) {
+            __m512bh w[4];
+            _mm_prefetch((const char *)(base + kk * 64 + PREFETCH_BYTES), _MM_HINT_T0);
+            unpack_pair(base + kk * 64, pick, w);
+            for (int m = 0; m < rows; m++) {
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x_pairs[m * pairs + kk]);
+                for (int j = 0; j < 4; j++) part[m][j] = _mm512_dpbf16_ps(part[m][j], w[j], xv);
+            }
+        }
+        for (int m = 0; m < rows; m++)
+            for (int j = 0; j < 4; j++) acc[m][j] = s == 0 ? part[m][j] : _mm512_add_ps(acc[m][j], part[m][j]);
+    }
+}
+
+/* y[m, 64b : 64b + 64] for every row m of x, one block of 64 output rows, four rows of x at a
+ * time. A group's dot product is sum x (q + 128); the (q - 8) * scale + zero form is restored once
+ * per group: scale * acc + (zero - 136 scale) * sum x. */
+static void int4_block(const Int4Matrix *w, const uint32_t *x_pairs, const float *group_sums,
+                       int64_t rows, int64_t block, float *y, int64_t ldy) {
+    const int64_t k = w->in_features, n = w->out_features, pairs = k / 2, groups = k / GROUP;
+    const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512 minus_136 = _mm512_set1_ps(-136.0f);
+    __m512i pick[2];
+    for (int r = 0; r < 2; r++) {
+        uint8_t table[64];
+        for (int i = 0; i < 16; i++) {
+            table[4 * i + 0] = (uint8_t)(16 * r + i);      /* column 2kk of this row */
+            table[4 * i + 1] = 64;                         /* 0x43 */
+            table[4 * i + 2] = (uint8_t)(32 + 16 * r + i); /* column 2kk + 1 */
+            table[4 * i + 3] = 64;
+        }
+        pick[r] = _mm512_loadu_si512(table);
+    }
+    const uint8_t *base = w->packed + block * pairs * 64;
+    for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+        const int64_t count = rows - m0 < 4 ? rows - m0 : 4;
+        const uint32_t *x = x_pairs + m0 * pairs;
+        float *out = y + m0 * ldy + block * 64;
+        for (int64_t m = 0; m < count; m++) memset(out + m * ldy, 0, 64 * sizeof(float));
+        for (int64_t g = 0; g < groups; g++) {
+            __m512 acc[4][4];
+            const int64_t first = g * (GROUP / 2);
+            if (count == 1) group_dot(base, x, pairs, first, 1, pick, acc);
+            else if (count == 2) group_dot(base, x, pairs, first, 2, pick, acc);
+            else if (count == 3) group_dot(base, x, pairs, first, 3, pick, acc);
+            else group_dot(base, x, pairs, first, 4, pick, acc);
+            const uint32_t *sz = w->scales + g * n + block * 64;
+            for (int j = 0; j < 4; j++) {
+                const __m512i packed = _mm512_loadu_si512(sz + 16 * j);
+                const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(packed, 16));
+                const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(packed, high_half));
+                const __m512 offset = _mm512_fmadd_ps(scale, minus_136, zero);
+                for (int64_t m = 0; m < count; m++) {
+                    float *o = out + m * ldy + 16 * j;
+                    const __m512 sum_x = _mm512_set1_ps(group_sums[(m0 + m) * groups + g]);
+                    const __m512 v = _mm512_fmadd_ps(scale, acc[m][j], _mm512_loadu_ps(o));
+                    _mm512_storeu_ps(o, _mm512_fmadd_ps(offset, sum_x, v));
+                }
+            }
+        }
+        if (w->bias != NULL)
+            for (int64_t m = 0; m < count; m++)
+                for (int64_t i = 0; i < 64; i++) out[m * ldy + i] += from_bf16(w->bias[block * 64 + i]);
+    }
+}
+
+/* y (rows, N) = x (rows, K) W^T, float32 in and out; `x16` and `sums` are scratch. */
+static void int4_matmul(const Int4Matrix *w, const float *x, int64_t rows, float *y, uint16_t *x16,
+                        float *sums, int threads) {
+    prepare_rows(x, rows, w->in_features, x16, sums);
+    const int64_t blocks = w->out_features / 64;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < blocks; b++)
+        int4_block(w, (const uint32_t *)x16, sums, rows, b, y, w->out_features);
+}
+
+static void rms_norm(const float *x, const float *weight, int64_t rows, int64_t size, float eps, float *y) {
+    for (int64_t m = 0; m < rows; m++) {
+        const float *row = x + m * size;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < size; i++) sum += row[i] * row[i];
+        const float inv = 1.0f / sqrtf(sum / (float)size + eps);
+        for (int64_t i = 0; i < size; i++) y[m * size + i] = row[i] * inv * weight[i];
+    }
+}
+
+/* Rotate interleaved (even, odd) pairs of `heads` heads of one token by its (cos, sin) table. */
+static void rotate(float *x, int64_t heads, int64_t head_dim, const float *rotation) {
+    for (int64_t h = 0; h < heads; h++) {
+        float *v = x + h * head_dim;
+        for (int64_t i = 0; i < head_dim / 2; i++) {
+            const float c = rotation[2 * i], s = rotation[2 * i + 1];
+            const float a = v[2 * i], b = v[2 * i + 1];
+            v[2 * i] = a * c - b * s;
+            v[2 * i + 1] = a * s + b * c;
+        }
+    }
+}
+
+/* out (T, H * D): each token's query heads over the keys it may see, one KV head's group at a
+ * time (grouped-query attention without repeating K/V). */
+static void attention(const Model *model, const Layer *layer, const Step *step, const float *qkv,
+                      float *out) {
+    const int64_t heads = model->heads, kv_heads = model->kv_heads, dim = model->head_dim;
+    const int64_t group = heads / kv_heads, width = (heads + 2 * kv_heads) * dim;
+    const int64_t kv_width = kv_heads * dim, context = step->context_len;
+#pragma omp parallel num_threads(step->threads)
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(group * context));
+#pragma omp for schedule(static) collapse(2)
+        for (int64_t t = 0; t < step->tokens; t++) {
+            for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
+                const float *q = qkv + t * width + kvh * group * dim;
+                const int64_t *slots = step->context + step->sequence[t] * context;
+                const uint8_t *visible = step->visible + t * context;
+                float best[64];
+                for (int64_t g = 0; g < group; g++) best[g] = -INFINITY;
+                for (int64_t c = 0; c < context; c++) {
+                    if (!visible[c]) continue;
+                    const float *key = layer->keys + slots[c] * kv_width + kvh * dim;
+                    for (int64_t g = 0; g < group; g++) {
+                        const float *qg = q + g * dim;
+                        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                        for (int64_t i = 0; i < dim; i++) s += qg[i] * key[i];
+                        s *= model->scale;
+                        scores[g * context + c] = s;
+                        if (s > best[g]) best[g] = s;
+                    }
+                }
+                float *o = out + t * heads * dim + kvh * group * dim;
+                memset(o, 0, sizeof(float) * (size_t)(group * dim));
+                float total[64];
+                for (int64_t g = 0; g < group; g++) total[g] = 0.0f;
+                for (int64_t c = 0; c < context; c++) {
+                    if (!visible[c]) continue;
+                    const float *value = layer->values + slots[c] * kv_width + kvh * dim;
+                    for (int64_t g = 0; g < group; g++) {
+                        const float p = expf(scores[g * context + c] - best[g]);
+                        total[g] += p;
+                        float *og = o + g * dim;
+#pragma omp simd
+                        for (int64_t i = 0; i < dim; i++) og[i] += p * value[i];
+                    }
+                }
+                for (int64_t g = 0; g < group; g++) {
+                    const float inv = 1.0f / total[g];
+                    for (int64_t i = 0; i < dim; i++) o[g * dim + i] *= inv;
+                }
+            }
+        }
+        free(scores);
+    }
+}
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* Run every layer over `hidden` (T, E) in place, then the final norm and output projection of the
+ * rows `step->logit_rows` into `logits` (R, V). Returns 0, or -1 when scratch memory ran out. */
+int polylane_int4_forward(const Model *model, const Step *step, float *hidden, float *logits) {
+    const int64_t t = step->tokens, e = model->hidden, dim = model->head_dim;
+    const int64_t q_width = model->heads * dim, kv_width = model->kv_heads * dim;
+    const int64_t qkv_width = q_width + 2 * kv_width, inter = model->intermediate;
+    int64_t widest = e > q_width ? e : q_width;
+    if (2 * inter > widest) widest = 2 * inter;
+    if (qkv_width > widest) widest = qkv_width;
+    const int64_t rows = t > step->num_logits ? t : step->num_logits;
+    float *normed = malloc(sizeof(float) * (size_t)(rows * e));
+    float *wide = malloc(sizeof(float) * (size_t)(t * widest));
+    float *narrow = malloc(sizeof(float) * (size_t)(t * (q_width > inter ? q_width : inter)));
+    float *residual = malloc(sizeof(float) * (size_t)(t * e));
+    uint16_t *x16 = malloc(sizeof(uint16_t) * (size_t)(rows * widest));
+    float *sums = malloc(sizeof(float) * (size_t)(rows * (widest / GROUP + 1)));
+    int status = 0;
+    if (!normed || !wide || !narrow || !residual || !x16 || !sums) {
+        status = -1;
+        goto done;
+    }
+    for (int64_t l = 0; l < model->num_layers; l++) {
+        const Layer *layer = &model->layers[l];
+        rms_norm(hidden, layer->input_norm, t, e, model->eps, normed);
+        int4_matmul(&layer->qkv, normed, t, wide, x16, sums, step->threads);
+        for (int64_t i = 0; i < t; i++) {
+            float *row = wide + i * qkv_width;
+            const float *rotation = step->rotations + i * dim;
+            rotate(row, model->heads + model->kv_heads, dim, rotation);
+            memcpy(layer->keys + step->slots[i] * kv_width, row + q_width, sizeof(float) * (size_t)kv_width);
+            memcpy(layer->values + step->slots[i] * kv_width, row + q_width + kv_width,
+                   sizeof(float) * (size_t)kv_width);
+        }
+        attention(model, layer, step, wide, narrow);
+        int4_matmul(&layer->o, narrow, t, residual, x16, sums, step->threads);
+        for (int64_t i = 0; i < t * e; i++) hidden[i] += residual[i];
+        rms_norm(hidden, layer->post_norm, t, e, model->eps, normed);
+        int4_matmul(&layer->gate_up, normed, t, wide, x16, sums, step->threads);
+        for (int64_t i = 0; i < t; i++)
+            for (int64_t j = 0; j < inter; j++)
+                narrow[i * inter + j] = silu(wide[i * 2 * inter + j]) * wide[i * 2 * inter + inter + j];
+        int4_matmul(&layer->down, narrow, t, residual, x16, sums, step->threads);
+        for (int64_t i = 0; i < t * e; i++) hidden[i] += residual[i];
+    }
+    for (int64_t r = 0; r < step->num_logits; r++)
+        rms_norm(hidden + step->logit_rows[r] * e, model->final_norm, 1, e, model->eps, normed + r * e);
+    int4_matmul(&model->lm_head, normed, step->num_logits, logits, x16, sums, step->threads);
+done:
+    free(normed);
+    free(wide);
+    free(narrow);
+    free(residual);
+    free(x16);
+    free(sums);
+    return status;
+}
+
+#else
+
+int polylane_int4_forward(const Model *model, const Step *step, float *hidden, float *logits) {
+    (void)model, (void)step, (void)hidden, (void)logits;
+    return -2;
+}
+
+#endif
