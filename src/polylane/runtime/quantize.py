@@ -93,8 +93,13 @@ class QuantizedProjection(nn.Module):
         return y.to(x.dtype)
 
     def dequantized_bf16(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Rows [start, stop) of the int4 weight (N, K) as bf16 (bounds multiples of 64), unpacked
-        from torch's CPU packing (N a multiple of 64).
+        """Rows [start, stop) of the int4 weight (N, K) as bf16: the very weight torch's int4 kernel
+        multiplies by (see `dequantized_float`)."""
+        return self.dequantized_float(start, stop).to(torch.bfloat16)
+
+    def dequantized_float(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows [start, stop) of the int4 weight (N, K), (q - 8) · scale + zero in float32 (bounds
+        multiples of 64), unpacked from torch's CPU packing (N a multiple of 64).
 
         `_convert_weight_to_int4pack_for_cpu` stores (N, K/2) bytes that read as (N/64, K/2, 64):
         byte [b, k // 2, n % 32 + 32 · (k % 2)] holds row 64·b + n % 64 of column k, in its low
@@ -107,8 +112,7 @@ class QuantizedProjection(nn.Module):
         halves = torch.stack([packed & 0xF, packed >> 4], dim=1)  # [b, n // 32 % 2, k // 2, k % 2, n % 32]
         q = halves.permute(0, 1, 4, 2, 3).reshape(n, k // INT4_GROUP, INT4_GROUP)
         scales, zeros = self.scales[:, start:stop].permute(2, 1, 0)[:, :, :, None]  # (n, K / group, 1)
-        # in float32, rounded once: the very weight torch's int4 kernel multiplies by
-        return ((q.float() - 8) * scales.float() + zeros.float()).view(n, k).to(torch.bfloat16)
+        return ((q.float() - 8) * scales.float() + zeros.float()).view(n, k)
 
     def dequantized(self) -> torch.Tensor:
         """The weight (N, K) float32 this projection multiplies by (for tests)."""

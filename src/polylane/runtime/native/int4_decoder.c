@@ -12,14 +12,19 @@
  * where byte j < 32 holds column 2kk and byte j >= 32 column 2kk + 1, of row j % 32 in the low
  * nibble and row 32 + j % 32 in the high nibble; one (scale, zero) bf16 pair per group of 32
  * columns and output row, w = (q - 8) * scale + zero. Activations are rounded to bf16, as torch's
- * kernel takes them, and products accumulate in float32 (AVX512-BF16 dot products).
+ * kernel takes them, and products accumulate in float32: on AMX tiles where the CPU has them (one
+ * tile product per group of 32 columns, up to 16 tokens at once), else with AVX512-BF16 dot
+ * products. One process always uses one of the two.
  *
  * Every token's arithmetic is the same whatever else is in the batch (rows never mix, and each
  * row's sums run in one fixed order), so a verify pass gives a token exactly the logits a decode
- * step would: speculation stays lossless against this kernel.
+ * step would, and a sequence's tokens do not depend on which others share its steps: speculation
+ * stays lossless against this kernel.
  */
+#define _GNU_SOURCE
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -169,6 +174,9 @@ static void int4_block(const Int4Matrix *w, const uint32_t *x_pairs, const float
         for (int64_t g = 0; g < groups; g++) {
             __m512 acc[4][4];
             const int64_t first = g * (GROUP / 2);
+            if (g + 2 < groups) /* scales lie a row of N apart per group: no stream to follow */
+                for (int line = 0; line < 4; line++)
+                    _mm_prefetch((const char *)(w->scales + (g + 2) * n + block * 64 + 16 * line), _MM_HINT_T0);
             if (count == 1) group_dot(base, x, pairs, first, 1, pick, acc);
             else if (count == 2) group_dot(base, x, pairs, first, 2, pick, acc);
             else if (count == 3) group_dot(base, x, pairs, first, 3, pick, acc);
@@ -193,14 +201,169 @@ static void int4_block(const Int4Matrix *w, const uint32_t *x_pairs, const float
     }
 }
 
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Whether this process may use AMX tiles (Linux grants the tile state on request). */
+static int amx_usable = -1;
+static int use_amx = 1;
+
+static int request_amx(void) {
+    if (amx_usable < 0) amx_usable = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+    return amx_usable;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Tiles 0-3: the four 16-row output slices of a 64-row block (rows of x × 16 floats); tile 4: a
+ * group of x (rows × 16 column pairs); tiles 5-7: unpacked weights (16 column pairs × 16 rows). */
+static void configure_tiles(int64_t rows) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        config.colsb[i] = 64;
+        config.rows[i] = (uint8_t)(i < 5 ? rows : 16);
+    }
+    _tile_loadconfig(&config);
+}
+
+/* The same product as int4_block with AMX: a group's 16 column pairs unpacked into three weight
+ * tiles in turn and multiplied with up to 16 rows of x at once. */
+static void int4_block_amx(const Int4Matrix *w, const uint32_t *x_pairs, const float *group_sums,
+                           int64_t rows, int64_t block, float *y, int64_t ldy) {
+    const int64_t k = w->in_features, n = w->out_features, pairs = k / 2, groups = k / GROUP;
+    const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512 minus_136 = _mm512_set1_ps(-136.0f);
+    __m512i pick[2];
+    for (int r = 0; r < 2; r++) {
+        uint8_t table[64];
+        for (int i = 0; i < 16; i++) {
+            table[4 * i + 0] = (uint8_t)(16 * r + i);
+            table[4 * i + 1] = 64;
+            table[4 * i + 2] = (uint8_t)(32 + 16 * r + i);
+            table[4 * i + 3] = 64;
+        }
+        pick[r] = _mm512_loadu_si512(table);
+    }
+    /* two groups' unpacked weights: the next group is unpacked while the tiles multiply this one */
+    __attribute__((aligned(64))) uint8_t weights[2][4][16][64];
+    __attribute__((aligned(64))) float products[4][16][16];
+    const uint8_t *base = w->packed + block * pairs * 64;
+    for (int64_t m = 0; m < rows; m++) memset(y + m * ldy + block * 64, 0, 64 * sizeof(float));
+    int64_t configured = rows < 16 ? rows : 16;
+    configure_tiles(configured);
+    for (int64_t g = -1; g < groups; g++) {
+        if (g + 1 < groups) {
+            const int64_t next = (g + 1) * (GROUP / 2);
+            for (int64_t i = 0; i < GROUP / 2; i++) {
+                _mm_prefetch((const char *)(base + (next + i) * 64 + PREFETCH_BYTES), _MM_HINT_T0);
+                __m512bh unpacked[4];
+                unpack_pair(base + (next + i) * 64, pick, unpacked);
+                for (int j = 0; j < 4; j++) _mm512_store_si512(weights[(g + 1) & 1][j][i], (__m512i)unpacked[j]);
+            }
+        }
+        if (g < 0) continue;
+        const int64_t first = g * (GROUP / 2);
+        uint8_t(*tiles)[16][64] = weights[g & 1];
+        if (g + 2 < groups)
+            for (int line = 0; line < 4; line++)
+                _mm_prefetch((const char *)(w->scales + (g + 2) * n + block * 64 + 16 * line), _MM_HINT_T0);
+        __m512 scale[4], offset[4];
+        for (int j = 0; j < 4; j++) {
+            const __m512i packed = _mm512_loadu_si512(w->scales + g * n + block * 64 + 16 * j);
+            scale[j] = _mm512_castsi512_ps(_mm512_slli_epi32(packed, 16));
+            const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(packed, high_half));
+            offset[j] = _mm512_fmadd_ps(scale[j], minus_136, zero);
+        }
+        for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+            const int64_t count = rows - m0 < 16 ? rows - m0 : 16;
+            if (count != configured) configure_tiles(configured = count);
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_loadd(4, x_pairs + m0 * pairs + first, pairs * 4);
+            _tile_loadd(5, tiles[0], 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, tiles[1], 64);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(7, tiles[2], 64);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, tiles[3], 64);
+            _tile_dpbf16ps(3, 4, 5);
+            _tile_stored(0, products[0], 64);
+            _tile_stored(1, products[1], 64);
+            _tile_stored(2, products[2], 64);
+            _tile_stored(3, products[3], 64);
+            for (int j = 0; j < 4; j++)
+                for (int64_t m = 0; m < count; m++) {
+                    float *o = y + (m0 + m) * ldy + block * 64 + 16 * j;
+                    const __m512 sum_x = _mm512_set1_ps(group_sums[(m0 + m) * groups + g]);
+                    const __m512 v = _mm512_fmadd_ps(scale[j], _mm512_load_ps(products[j][m]), _mm512_loadu_ps(o));
+                    _mm512_storeu_ps(o, _mm512_fmadd_ps(offset[j], sum_x, v));
+                }
+        }
+    }
+    if (w->bias != NULL)
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t i = 0; i < 64; i++) y[m * ldy + block * 64 + i] += from_bf16(w->bias[block * 64 + i]);
+}
+#endif
+
+void polylane_int4_use_amx(int on) {
+#ifdef HAVE_AMX
+    use_amx = on;
+#else
+    (void)on;
+#endif
+}
+
 /* y (rows, N) = x (rows, K) W^T, float32 in and out; `x16` and `sums` are scratch. */
 static void int4_matmul(const Int4Matrix *w, const float *x, int64_t rows, float *y, uint16_t *x16,
                         float *sums, int threads) {
     prepare_rows(x, rows, w->in_features, x16, sums);
     const int64_t blocks = w->out_features / 64;
+#ifdef HAVE_AMX
+    if (use_amx && request_amx()) {
+#pragma omp parallel num_threads(threads)
+        {
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < blocks; b++)
+                int4_block_amx(w, (const uint32_t *)x16, sums, rows, b, y, w->out_features);
+            _tile_release();
+        }
+        return;
+    }
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++)
         int4_block(w, (const uint32_t *)x16, sums, rows, b, y, w->out_features);
+}
+
+/* y (rows, N) = x (rows, K) W^T alone (for tests and benchmarks); returns -1 without memory. */
+int polylane_int4_matmul(const Int4Matrix *w, const float *x, int64_t rows, float *y, int threads) {
+    uint16_t *x16 = malloc(sizeof(uint16_t) * (size_t)(rows * w->in_features));
+    float *sums = malloc(sizeof(float) * (size_t)(rows * (w->in_features / GROUP)));
+    const int status = x16 && sums ? 0 : -1;
+    if (status == 0) int4_matmul(w, x, rows, y, x16, sums, threads);
+    free(x16);
+    free(sums);
+    return status;
+}
+
+/* Which matrix kernel runs: 2 = AMX tiles, 1 = AVX512-BF16 dot products. */
+int polylane_int4_kernel(void) {
+#ifdef HAVE_AMX
+    if (use_amx && request_amx()) return 2;
+#endif
+    return 1;
 }
 
 static void rms_norm(const float *x, const float *weight, int64_t rows, int64_t size, float eps, float *y) {
@@ -227,63 +390,103 @@ static void rotate(float *x, int64_t heads, int64_t head_dim, const float *rotat
     }
 }
 
+/* e^x, 16 lanes: 2^n · p(r) with x = n ln 2 + r, |r| <= ln 2 / 2, and Cephes' degree-7
+ * polynomial for e^r (relative error ~2e-7 on float32); lanes below -87 give ~0, never NaN. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* out (T, H * D): each token's query heads over the keys it may see, one KV head's group at a
- * time (grouped-query attention without repeating K/V). */
+ * time (grouped-query attention without repeating K/V). Head sizes are multiples of 16 (checked
+ * in Python); `scratch` holds a group's scores per thread (threads * group * C floats). */
 static void attention(const Model *model, const Layer *layer, const Step *step, const float *qkv,
-                      float *out) {
+                      float *out, float *scratch) {
     const int64_t heads = model->heads, kv_heads = model->kv_heads, dim = model->head_dim;
     const int64_t group = heads / kv_heads, width = (heads + 2 * kv_heads) * dim;
-    const int64_t kv_width = kv_heads * dim, context = step->context_len;
+    const int64_t kv_width = kv_heads * dim, context = step->context_len, vectors = dim / 16;
 #pragma omp parallel num_threads(step->threads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)(group * context));
+        float *scores = scratch + (int64_t)omp_get_thread_num() * group * context;
 #pragma omp for schedule(static) collapse(2)
         for (int64_t t = 0; t < step->tokens; t++) {
             for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
                 const float *q = qkv + t * width + kvh * group * dim;
                 const int64_t *slots = step->context + step->sequence[t] * context;
                 const uint8_t *visible = step->visible + t * context;
-                float best[64];
-                for (int64_t g = 0; g < group; g++) best[g] = -INFINITY;
                 for (int64_t c = 0; c < context; c++) {
-                    if (!visible[c]) continue;
+                    if (!visible[c]) {
+                        for (int64_t g = 0; g < group; g++) scores[g * context + c] = -INFINITY;
+                        continue;
+                    }
                     const float *key = layer->keys + slots[c] * kv_width + kvh * dim;
+                    if (c + 8 < context) /* rows of scattered slots: fetch ahead of use */
+                        for (int64_t v = 0; v < vectors; v++)
+                            _mm_prefetch((const char *)(layer->keys + slots[c + 8] * kv_width + kvh * dim + 16 * v), _MM_HINT_T0);
                     for (int64_t g = 0; g < group; g++) {
-                        const float *qg = q + g * dim;
-                        float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                        for (int64_t i = 0; i < dim; i++) s += qg[i] * key[i];
-                        s *= model->scale;
-                        scores[g * context + c] = s;
-                        if (s > best[g]) best[g] = s;
+                        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + g * dim), _mm512_loadu_ps(key));
+                        for (int64_t v = 1; v < vectors; v++)
+                            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * dim + 16 * v),
+                                                  _mm512_loadu_ps(key + 16 * v), acc);
+                        scores[g * context + c] = _mm512_reduce_add_ps(acc) * model->scale;
                     }
                 }
                 float *o = out + t * heads * dim + kvh * group * dim;
-                memset(o, 0, sizeof(float) * (size_t)(group * dim));
-                float total[64];
-                for (int64_t g = 0; g < group; g++) total[g] = 0.0f;
-                for (int64_t c = 0; c < context; c++) {
-                    if (!visible[c]) continue;
-                    const float *value = layer->values + slots[c] * kv_width + kvh * dim;
-                    for (int64_t g = 0; g < group; g++) {
-                        const float p = expf(scores[g * context + c] - best[g]);
-                        total[g] += p;
-                        float *og = o + g * dim;
-#pragma omp simd
-                        for (int64_t i = 0; i < dim; i++) og[i] += p * value[i];
-                    }
-                }
                 for (int64_t g = 0; g < group; g++) {
-                    const float inv = 1.0f / total[g];
-                    for (int64_t i = 0; i < dim; i++) o[g * dim + i] *= inv;
+                    float *row = scores + g * context;
+                    float best = -INFINITY;
+                    for (int64_t c = 0; c < context; c++) best = row[c] > best ? row[c] : best;
+                    /* softmax numerators in place; masked keys (-inf) become exactly 0 */
+                    __m512 total = _mm512_setzero_ps();
+                    for (int64_t c = 0; c < context; c += 16) {
+                        const __mmask16 lanes = context - c >= 16 ? 0xffff : (__mmask16)((1u << (context - c)) - 1);
+                        const __m512 x = _mm512_maskz_loadu_ps(lanes, row + c);
+                        const __mmask16 seen = _mm512_mask_cmp_ps_mask(lanes, x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+                        const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, _mm512_set1_ps(best))));
+                        _mm512_mask_storeu_ps(row + c, lanes, e);
+                        total = _mm512_add_ps(total, e);
+                    }
+                    const float inv = 1.0f / _mm512_reduce_add_ps(total);
+                    __m512 acc[8];
+                    for (int64_t v = 0; v < vectors; v++) acc[v] = _mm512_setzero_ps();
+                    for (int64_t c = 0; c < context; c++) {
+                        if (row[c] == 0.0f) continue;
+                        const float *value = layer->values + slots[c] * kv_width + kvh * dim;
+                        if (c + 8 < context)
+                            for (int64_t v = 0; v < vectors; v++)
+                                _mm_prefetch((const char *)(layer->values + slots[c + 8] * kv_width + kvh * dim + 16 * v), _MM_HINT_T0);
+                        const __m512 p = _mm512_set1_ps(row[c]);
+                        for (int64_t v = 0; v < vectors; v++)
+                            acc[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16 * v), acc[v]);
+                    }
+                    for (int64_t v = 0; v < vectors; v++)
+                        _mm512_storeu_ps(o + g * dim + 16 * v, _mm512_mul_ps(acc[v], _mm512_set1_ps(inv)));
                 }
             }
         }
-        free(scores);
     }
 }
 
-static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+/* out[i] = silu(gate[i]) * up[i] for one token's MLP (`size` a multiple of 16). */
+static void gated_silu(const float *gate, const float *up, int64_t size, float *out) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t i = 0; i < size; i += 16) {
+        const __m512 g = _mm512_loadu_ps(gate + i);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(up + i)));
+    }
+}
 
 /* Run every layer over `hidden` (T, E) in place, then the final norm and output projection of the
  * rows `step->logit_rows` into `logits` (R, V). Returns 0, or -1 when scratch memory ran out. */
@@ -301,8 +504,9 @@ int polylane_int4_forward(const Model *model, const Step *step, float *hidden, f
     float *residual = malloc(sizeof(float) * (size_t)(t * e));
     uint16_t *x16 = malloc(sizeof(uint16_t) * (size_t)(rows * widest));
     float *sums = malloc(sizeof(float) * (size_t)(rows * (widest / GROUP + 1)));
+    float *scores = malloc(sizeof(float) * (size_t)(step->threads * (model->heads / model->kv_heads) * step->context_len));
     int status = 0;
-    if (!normed || !wide || !narrow || !residual || !x16 || !sums) {
+    if (!normed || !wide || !narrow || !residual || !x16 || !sums || !scores) {
         status = -1;
         goto done;
     }
@@ -318,14 +522,13 @@ int polylane_int4_forward(const Model *model, const Step *step, float *hidden, f
             memcpy(layer->values + step->slots[i] * kv_width, row + q_width + kv_width,
                    sizeof(float) * (size_t)kv_width);
         }
-        attention(model, layer, step, wide, narrow);
+        attention(model, layer, step, wide, narrow, scores);
         int4_matmul(&layer->o, narrow, t, residual, x16, sums, step->threads);
         for (int64_t i = 0; i < t * e; i++) hidden[i] += residual[i];
         rms_norm(hidden, layer->post_norm, t, e, model->eps, normed);
         int4_matmul(&layer->gate_up, normed, t, wide, x16, sums, step->threads);
         for (int64_t i = 0; i < t; i++)
-            for (int64_t j = 0; j < inter; j++)
-                narrow[i * inter + j] = silu(wide[i * 2 * inter + j]) * wide[i * 2 * inter + inter + j];
+            gated_silu(wide + i * 2 * inter, wide + i * 2 * inter + inter, inter, narrow + i * inter);
         int4_matmul(&layer->down, narrow, t, residual, x16, sums, step->threads);
         for (int64_t i = 0; i < t * e; i++) hidden[i] += residual[i];
     }
@@ -339,6 +542,7 @@ done:
     free(residual);
     free(x16);
     free(sums);
+    free(scores);
     return status;
 }
 
@@ -348,5 +552,14 @@ int polylane_int4_forward(const Model *model, const Step *step, float *hidden, f
     (void)model, (void)step, (void)hidden, (void)logits;
     return -2;
 }
+
+int polylane_int4_matmul(const Int4Matrix *w, const float *x, int64_t rows, float *y, int threads) {
+    (void)w, (void)x, (void)rows, (void)y, (void)threads;
+    return -2;
+}
+
+int polylane_int4_kernel(void) { return 0; }
+
+void polylane_int4_use_amx(int on) { (void)on; }
 
 #endif
