@@ -118,7 +118,7 @@ def main() -> None:
     model = load_model(args.model, args.dtype, quiet=True)
     block_size, timed = 16, 40
     per_sequence = -(-(args.context + timed + args.steps + 16) // block_size)
-    cache = PagedKVCache(model.config, per_sequence * args.batch, block_size, model.dtype)
+    cache = PagedKVCache(model.config, per_sequence * args.batch, block_size, model.kv_dtype)
     tables = [tuple(range(b * per_sequence, (b + 1) * per_sequence)) for b in range(args.batch)]
     prompts = [tuple(100 + (i * 37 + b) % 1000 for i in range(args.context)) for b in range(args.batch)]
     first = [SequenceChunk(p, 0, t) for p, t in zip(prompts, tables, strict=True)]

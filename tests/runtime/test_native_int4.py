@@ -103,7 +103,7 @@ def test_native_stack_agrees_with_the_torch_path(load_real_model, name):
     blocks = -(-len(ids) // 16)
 
     def all_logits() -> torch.Tensor:
-        cache = PagedKVCache(module.config, blocks, 16, model.dtype)
+        cache = PagedKVCache(module.config, blocks, 16, model.kv_dtype)
         batch = build_forward_batch([SequenceChunk(tuple(ids), 0, tuple(range(blocks)))], 16, module.config)
         batch.logit_rows = torch.arange(len(ids))
         return module(batch, cache)
@@ -130,7 +130,7 @@ def test_verify_pass_and_batched_steps_give_decode_logits_exactly(load_real_mode
     module = _native(model)
     prompt = tuple(model.tokenizer.encode("Count slowly: one, two, three,"))
     tables = [tuple(range(8 * s, 8 * s + 8)) for s in range(3)]
-    cache = PagedKVCache(module.config, 24, 16, model.dtype)
+    cache = PagedKVCache(module.config, 24, 16, model.kv_dtype)
     for table in tables:
         _forward(module, cache, [SequenceChunk(prompt, 0, table)])
 

@@ -83,8 +83,9 @@ class PagedKVCache:
         above `band` are left to the forward that computes the layers above.
         """
         for layer in range(band):
-            self.keys[layer].index_copy_(0, slots, source.keys[layer].index_select(0, source_slots))
-            self.values[layer].index_copy_(0, slots, source.values[layer].index_select(0, source_slots))
+            keys, values = source.keys[layer], source.values[layer]
+            self.keys[layer].index_copy_(0, slots, keys.index_select(0, source_slots).to(self.dtype))
+            self.values[layer].index_copy_(0, slots, values.index_select(0, source_slots).to(self.dtype))
         for layer, states in self.boundary_states.items():
             if layer > band:
                 continue
@@ -97,8 +98,8 @@ class PagedKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store new tokens' K/V (T, num_kv_heads, head_dim) at `slots` (T,)."""
-        self.keys[layer].index_copy_(0, slots, keys.reshape(keys.shape[0], -1))
-        self.values[layer].index_copy_(0, slots, values.reshape(values.shape[0], -1))
+        self.keys[layer].index_copy_(0, slots, keys.reshape(keys.shape[0], -1).to(self.dtype))
+        self.values[layer].index_copy_(0, slots, values.reshape(values.shape[0], -1).to(self.dtype))
 
     def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
         """Copy whole blocks (copy-on-write), every layer; sources are read before any write."""

@@ -230,8 +230,8 @@ def paged_attention(
     queries = queries.view(batch, -1, num_heads, head_dim).transpose(1, 2)  # (B, H, Q, D)
     out = F.scaled_dot_product_attention(
         queries,
-        keys,
-        values,
+        keys.to(queries.dtype),  # a bf16 cache under float32 activations (int4 models)
+        values.to(queries.dtype),
         attn_mask=layout.mask,
         is_causal=layout.is_causal,
         scale=scale,

@@ -30,6 +30,12 @@ class LoadedModel:
     load_seconds: float
     digest: ModelDigest | None = None  # per-layer digests (`runtime.digests`); None: not computed
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's element type: bf16 where the native int4 stack runs (it streams the cache
+        every step; bf16 halves that, as llama.cpp's f16 cache does), else the activations' dtype."""
+        return torch.bfloat16 if self.module.native_stack is not None else self.dtype
+
 
 def load_model(
     name_or_path: str, dtype: str | torch.dtype = "fp32", quiet: bool = False, convert_cache: bool = True

@@ -82,7 +82,7 @@ class ModelKV:
         self.model = model
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, block_size)
-        self.cache = PagedKVCache(model.config, num_blocks, block_size, model.dtype)
+        self.cache = PagedKVCache(model.config, num_blocks, block_size, model.kv_dtype)
         self.tree = PrefixTree(self.pool, model.name, max_cached_blocks) if prefix_cache else None
 
     def stats(self) -> PrefixTreeStats | None:

@@ -1,7 +1,7 @@
 /* The whole layer stack of a Llama/Qwen2 decoder with int4 weights, for a few tokens at a time.
  *
  * What this file owns: one call that runs every layer (RMSNorm, fused QKV, RoPE, paged-KV write,
- * grouped-query attention over the paged cache, output projection, gated SiLU MLP, residuals),
+ * grouped-query attention over the paged bf16 KV cache, output projection, gated SiLU MLP, residuals),
  * the final norm and the output projection for a flat batch of T tokens, in place of the ~45
  * eager torch ops per layer whose fixed costs dominate a 4-bit decode step (docs/profile.md).
  * Python builds the model description once (runtime/native/int4_stack.py) and the per-forward
@@ -45,7 +45,7 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm; /* (E,) */
     Int4Matrix qkv, o, gate_up, down;
-    float *keys, *values; /* (slots, Hkv * D) */
+    uint16_t *keys, *values; /* (slots, Hkv * D) bf16 */
 } Layer;
 
 typedef struct {
@@ -408,6 +408,34 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* 16 bf16 values as float32 (exact). */
+static inline __m512 load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* `size` floats (a multiple of 16) rounded to bf16, to nearest even, as torch rounds them. */
+static inline void store_bf16(const float *x, int64_t size, uint16_t *out) {
+    for (int64_t i = 0; i < size; i += 16)
+        _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+}
+
+/* Lane c of the result = the sum of the 16 lanes of v[c] (a 16 x 16 transpose-and-add). */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 w[8], x[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: v[2i] at positions 0, 2; v[2i + 1] at 1, 3 */
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: keys 4i .. 4i + 3 in order */
+        const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 /* out (T, H * D): each token's query heads over the keys it may see, one KV head's group at a
  * time (grouped-query attention without repeating K/V). Head sizes are multiples of 16 (checked
  * in Python); `scratch` holds a group's scores per thread (threads * group * C floats). */
@@ -425,21 +453,31 @@ static void attention(const Model *model, const Layer *layer, const Step *step, 
                 const float *q = qkv + t * width + kvh * group * dim;
                 const int64_t *slots = step->context + step->sequence[t] * context;
                 const uint8_t *visible = step->visible + t * context;
-                for (int64_t c = 0; c < context; c++) {
-                    if (!visible[c]) {
-                        for (int64_t g = 0; g < group; g++) scores[g * context + c] = -INFINITY;
-                        continue;
-                    }
-                    const float *key = layer->keys + slots[c] * kv_width + kvh * dim;
-                    if (c + 8 < context) /* rows of scattered slots: fetch ahead of use */
-                        for (int64_t v = 0; v < vectors; v++)
-                            _mm_prefetch((const char *)(layer->keys + slots[c + 8] * kv_width + kvh * dim + 16 * v), _MM_HINT_T0);
+                /* scores, 16 keys at a time: one product vector per key, summed across lanes
+                 * for all 16 at once (sum16); keys a token may not see score -inf */
+                for (int64_t c0 = 0; c0 < context; c0 += 16) {
+                    const int64_t span = context - c0 < 16 ? context - c0 : 16;
+                    const __mmask16 lanes = span == 16 ? 0xffff : (__mmask16)((1u << span) - 1);
+                    const __mmask16 seen = _mm_mask_cmpneq_epi8_mask(
+                        lanes, _mm_maskz_loadu_epi8(lanes, visible + c0), _mm_setzero_si128());
+                    if (c0 + 16 < context)
+                        for (int64_t c = c0 + 16; c < c0 + 32 && c < context; c++)
+                            _mm_prefetch((const char *)(layer->keys + slots[c] * kv_width + kvh * dim), _MM_HINT_T0);
+                    const uint16_t *key[16];
+                    for (int64_t c = 0; c < 16; c++)
+                        key[c] = layer->keys + slots[c0 + (c < span ? c : 0)] * kv_width + kvh * dim;
                     for (int64_t g = 0; g < group; g++) {
-                        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + g * dim), _mm512_loadu_ps(key));
-                        for (int64_t v = 1; v < vectors; v++)
-                            acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * dim + 16 * v),
-                                                  _mm512_loadu_ps(key + 16 * v), acc);
-                        scores[g * context + c] = _mm512_reduce_add_ps(acc) * model->scale;
+                        const float *qg = q + g * dim;
+                        __m512 products[16];
+                        for (int64_t c = 0; c < 16; c++) {
+                            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), load_bf16(key[c]));
+                            for (int64_t v = 1; v < vectors; v++)
+                                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), load_bf16(key[c] + 16 * v), acc);
+                            products[c] = acc;
+                        }
+                        const __m512 sums = _mm512_mul_ps(sum16(products), _mm512_set1_ps(model->scale));
+                        _mm512_mask_storeu_ps(scores + g * context + c0, lanes,
+                                              _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), sums));
                     }
                 }
                 float *o = out + t * heads * dim + kvh * group * dim;
@@ -462,13 +500,13 @@ static void attention(const Model *model, const Layer *layer, const Step *step, 
                     for (int64_t v = 0; v < vectors; v++) acc[v] = _mm512_setzero_ps();
                     for (int64_t c = 0; c < context; c++) {
                         if (row[c] == 0.0f) continue;
-                        const float *value = layer->values + slots[c] * kv_width + kvh * dim;
+                        const uint16_t *value = layer->values + slots[c] * kv_width + kvh * dim;
                         if (c + 8 < context)
                             for (int64_t v = 0; v < vectors; v++)
                                 _mm_prefetch((const char *)(layer->values + slots[c + 8] * kv_width + kvh * dim + 16 * v), _MM_HINT_T0);
                         const __m512 p = _mm512_set1_ps(row[c]);
                         for (int64_t v = 0; v < vectors; v++)
-                            acc[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16 * v), acc[v]);
+                            acc[v] = _mm512_fmadd_ps(p, load_bf16(value + 16 * v), acc[v]);
                     }
                     for (int64_t v = 0; v < vectors; v++)
                         _mm512_storeu_ps(o + g * dim + 16 * v, _mm512_mul_ps(acc[v], _mm512_set1_ps(inv)));
@@ -518,9 +556,8 @@ int polylane_int4_forward(const Model *model, const Step *step, float *hidden, f
             float *row = wide + i * qkv_width;
             const float *rotation = step->rotations + i * dim;
             rotate(row, model->heads + model->kv_heads, dim, rotation);
-            memcpy(layer->keys + step->slots[i] * kv_width, row + q_width, sizeof(float) * (size_t)kv_width);
-            memcpy(layer->values + step->slots[i] * kv_width, row + q_width + kv_width,
-                   sizeof(float) * (size_t)kv_width);
+            store_bf16(row + q_width, kv_width, layer->keys + step->slots[i] * kv_width);
+            store_bf16(row + q_width + kv_width, kv_width, layer->values + step->slots[i] * kv_width);
         }
         attention(model, layer, step, wide, narrow, scores);
         int4_matmul(&layer->o, narrow, t, residual, x16, sums, step->threads);

@@ -1,7 +1,7 @@
 """The int4 decode path in one native call: a Llama/Qwen2 model's layer stack run by int4_decoder.c.
 
 What this module owns: deciding whether a quantised model can run natively (Llama-style blocks,
-every projection int4 with output rows in blocks of 64, float32 KV, a CPU with AVX512-BF16 and
+every projection int4 with output rows in blocks of 64, a bf16 KV cache, a CPU with AVX512-BF16 and
 VBMI and a C compiler), describing its weights to the C code once (`Int4Stack.build`), and, per
 forward, the index arrays the C code reads (which slots each token writes and reads, which keys it
 may see). `DecoderModel.forward` asks `Int4Stack.forward` first; a None answer (a batch of many
@@ -230,9 +230,9 @@ class Int4Stack:
     def forward(self, model: DecoderModel, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor | None:
         """Logits (R, vocab) of the batch's logit rows with its K/V written, or None when this
         batch is for the torch path (too many tokens, boundary states to record, a cache that is
-        not float32 on the CPU)."""
+        not bf16 on the CPU: `LoadedModel.kv_dtype`)."""
         tokens = batch.token_ids.shape[0]
-        if tokens >= MAX_TOKENS or cache.boundary_states or cache.dtype != torch.float32:
+        if tokens >= MAX_TOKENS or cache.boundary_states or cache.dtype != torch.bfloat16:
             return None
         if cache.keys[0].device.type != "cpu":
             return None
