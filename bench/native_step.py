@@ -1,0 +1,104 @@
+"""One int4 forward step, native stack against the torch path, side by side in one run.
+
+Run:  python bench/native_step.py [--model smollm2-135m-instruct] [--batch 1 8] [--context 64 400]
+      [--threads 2] [--steps 40]
+
+Loads the model at int4 and times the bare forward (no engine) of a decode step — --batch
+sequences, one new token each, after --context tokens — median of --steps steps, for: the native
+stack with its AMX kernel (where the CPU has AMX), with its AVX512-BF16 kernel, and the torch int4
+path (`module.native_stack` set aside). Also a prefill forward of 127 and 383 tokens. Prints a table
+and, last, one JSON line with every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from polylane.runtime.batch import build_forward_batch
+from polylane.runtime.kv_cache import PagedKVCache
+from polylane.runtime.loaded_model import load_model
+from polylane.runtime.native import int4_stack
+from polylane.types import SequenceChunk
+
+BLOCK = 16
+
+
+def time_step(module, cache, chunks, steps: int) -> float:
+    batch = build_forward_batch(chunks, BLOCK, module.config)
+    for _ in range(3):
+        module(batch, cache)
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        module(batch, cache)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--context", type=int, nargs="+", default=[64, 400])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model, "int4", quiet=True)
+    module, lib = model.module, int4_stack.library()
+    stack = module.native_stack
+    if stack is None or lib is None:
+        raise SystemExit("the native int4 stack does not run here (no compiler or no AVX512-BF16)")
+    kernels = ["amx", "avx512-bf16"] if int4_stack.kernel_name() == "amx" else ["avx512-bf16"]
+    systems = [*kernels, "torch"]
+
+    def run(system: str, measure, *arguments):
+        lib.polylane_int4_use_amx(int(system == "amx"))
+        module.native_stack = None if system == "torch" else stack
+        try:
+            return measure(*arguments)
+        finally:
+            module.native_stack = stack
+            lib.polylane_int4_use_amx(1)
+
+    results: dict[str, dict[str, float]] = {system: {} for system in systems}
+    longest = max(args.context) + 1
+    per_sequence = -(-longest // BLOCK)
+    for batch_size in args.batch:
+        tables = [tuple(range(s * per_sequence, (s + 1) * per_sequence)) for s in range(batch_size)]
+        cache = PagedKVCache(module.config, per_sequence * batch_size, BLOCK, model.kv_dtype)
+        for context in args.context:
+            prompt = tuple(100 + i % 1000 for i in range(context))
+            for table in tables:  # each sequence's context written by the torch path's prefill
+                batch = build_forward_batch([SequenceChunk(prompt, 0, table)], BLOCK, module.config)
+                run("torch", module, batch, cache)
+            chunks = [SequenceChunk((42,), context, table) for table in tables]
+            for system in systems:
+                seconds = run(system, time_step, module, cache, chunks, args.steps)
+                results[system][f"decode_b{batch_size}_c{context}_ms"] = seconds * 1e3
+    for tokens in (127, 383):
+        table = tuple(range(-(-tokens // BLOCK)))
+        cache = PagedKVCache(module.config, len(table), BLOCK, model.kv_dtype)
+        chunk = [SequenceChunk(tuple(100 + i for i in range(tokens)), 0, table)]
+        for system in systems:
+            seconds = run(system, time_step, module, cache, chunk, 3)
+            results[system][f"prefill_{tokens}_tokens_per_s"] = tokens / seconds
+
+    keys = list(results[systems[0]])
+    print(f"{args.model} int4, {args.threads} threads: decode step (ms) and prefill (tokens/s)")
+    print("| " + " | ".join(["measure", *systems, f"{systems[0]} speedup"]) + " |")
+    print("|---" * (len(systems) + 2) + "|")
+    for key in keys:
+        values = [results[s][key] for s in systems]
+        ratio = values[-1] / values[0] if key.startswith("decode") else values[0] / values[-1]
+        print("| " + " | ".join([key, *(f"{v:.2f}" for v in values), f"{ratio:.2f}×"]) + " |")
+    print(json.dumps({"model": args.model, "threads": args.threads, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
