@@ -22,7 +22,7 @@ import torch
 from polylane.runtime.batch import build_forward_batch
 from polylane.runtime.kv_cache import PagedKVCache
 from polylane.runtime.loaded_model import load_model
-from polylane.runtime.native import int4_stack
+from polylane.runtime.native import stack as native
 from polylane.types import SequenceChunk
 
 BLOCK = 16
@@ -50,21 +50,21 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(args.model, "int4", quiet=True)
-    module, lib = model.module, int4_stack.library()
+    module, lib = model.module, native.library()
     stack = module.native_stack
     if stack is None or lib is None:
         raise SystemExit("the native int4 stack does not run here (no compiler or no AVX512-BF16)")
-    kernels = ["amx", "avx512-bf16"] if int4_stack.kernel_name() == "amx" else ["avx512-bf16"]
+    kernels = ["amx", "avx512-bf16"] if native.kernel_name() == "amx" else ["avx512-bf16"]
     systems = [*kernels, "torch"]
 
     def run(system: str, measure, *arguments):
-        lib.polylane_int4_use_amx(int(system == "amx"))
+        lib.polylane_use_amx(int(system == "amx"))
         module.native_stack = None if system == "torch" else stack
         try:
             return measure(*arguments)
         finally:
             module.native_stack = stack
-            lib.polylane_int4_use_amx(1)
+            lib.polylane_use_amx(1)
 
     results: dict[str, dict[str, float]] = {system: {} for system in systems}
     longest = max(args.context) + 1

@@ -14,6 +14,7 @@ from polylane.runtime.digests import model_digest
 from polylane.runtime.loader import LoadedWeights, load_weights, parse_dtype
 from polylane.runtime.model_config import ModelConfig
 from polylane.runtime.models.base import DecoderModel
+from polylane.runtime.native.stack import NativeStack
 from polylane.runtime.quantize import QUANTISED_FORMATS, module_bytes, quantize_model
 from polylane.runtime.tokenizer import Tokenizer, load_tokenizer
 
@@ -29,12 +30,13 @@ class LoadedModel:
     weight_bytes: int
     load_seconds: float
     digest: ModelDigest | None = None  # per-layer digests (`runtime.digests`); None: not computed
+    # The KV cache's element type (None: the activations' dtype). int4 models on the native stack
+    # keep bf16 K/V: a decode step streams the cache, and bf16 halves it, as llama.cpp's f16 does.
+    kv_cache_dtype: torch.dtype | None = None
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The KV cache's element type: bf16 where the native int4 stack runs (it streams the cache
-        every step; bf16 halves that, as llama.cpp's f16 cache does), else the activations' dtype."""
-        return torch.bfloat16 if self.module.native_stack is not None else self.dtype
+        return self.kv_cache_dtype or self.dtype
 
 
 def load_model(
@@ -56,6 +58,8 @@ def load_model(
     if quantised:
         quantize_model(weights.model, quantised)
         weight_bytes = module_bytes(weights.model)
+    weights.model.native_stack = NativeStack.build(weights.model)
+    native_int4 = weights.model.native_stack is not None and quantised == "int4"
     tokenizer = load_tokenizer(source)
     loaded = LoadedModel(
         name=source.name,
@@ -66,6 +70,7 @@ def load_model(
         dtype=run_dtype,
         weight_bytes=weight_bytes,
         load_seconds=0.0,
+        kv_cache_dtype=torch.bfloat16 if native_int4 else None,
     )
     # Per-layer digests for the cross-model prefill share: hashed once per file, then cached.
     loaded.digest = model_digest(source, dtype, loaded.module, loaded.config, tokenizer, loaded.dtype)

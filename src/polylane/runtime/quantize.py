@@ -25,7 +25,6 @@ from torch import nn
 
 from polylane.runtime.layers import Projection, linear
 from polylane.runtime.models.base import DecoderModel
-from polylane.runtime.native.int4_stack import Int4Stack
 
 QUANTISED_FORMATS = {"int4": 4, "int8": 8}
 INT4_GROUP = 32
@@ -144,8 +143,6 @@ def quantize_model(model: DecoderModel, fmt: str) -> DecoderModel:
         model.vocab_columns = None
     elif model.embed_tokens is not None:
         model.embed_tokens = Bf16Embedding(model.embed_tokens.weight)  # type: ignore[assignment]
-    if bits == 4:
-        model.native_stack = Int4Stack.build(model)
     return model
 
 

@@ -13,7 +13,7 @@ from polylane.runtime.batch import ForwardBatch
 from polylane.runtime.kv_cache import PagedKVCache
 from polylane.runtime.layers import ForwardContext, Projection, RMSNorm, RotaryTable, linear
 from polylane.runtime.model_config import GLOBAL, SLIDING, ModelConfig
-from polylane.runtime.native.int4_stack import Int4Stack
+from polylane.runtime.native.stack import NativeStack
 
 
 class DecoderModel(nn.Module):
@@ -34,8 +34,8 @@ class DecoderModel(nn.Module):
         self.vocab_columns: nn.Parameter | None = None
         self.weight_dtype = torch.float32
         self._rotary: dict[str, RotaryTable] = {}
-        # the whole stack in one C call where the model allows it (int4 Llama/Qwen2: quantize.py)
-        self.native_stack: Int4Stack | None = None
+        # the whole stack in one C call where the model allows it (Llama/Qwen2: runtime/native)
+        self.native_stack: NativeStack | None = None
 
     def choose_layouts(self, dtype: torch.dtype) -> set[str]:
         """Decide run-time weight layouts before loading (on the meta device).

@@ -4,7 +4,7 @@
  * grouped-query attention over the paged bf16 KV cache, output projection, gated SiLU MLP, residuals),
  * the final norm and the output projection for a flat batch of T tokens, in place of the ~45
  * eager torch ops per layer whose fixed costs dominate a 4-bit decode step (docs/profile.md).
- * Python builds the model description once (runtime/native/int4_stack.py) and the per-forward
+ * Python builds the model description once (runtime/native/stack.py) and the per-forward
  * index arrays; this file does arithmetic only and allocates nothing that outlives a call.
  *
  * Weights are torch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu`), read in place:
@@ -33,27 +33,33 @@
 /* How far ahead of the column pair being multiplied the weight stream is prefetched: without it
  * one-row matmuls read memory at ~10 GB/s of the ~23 two cores can stream (SmolLM2 decode step
  * 6.9 -> 4.3 ms; 1 KiB ahead gave 5.6 ms, 8 KiB 4.5 ms). */
+#ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
+#endif
+
+enum { INT4 = 0, BF16 = 1, FP32 = 2, FP32_INPUT_MAJOR = 3 };
 
 typedef struct {
-    const uint8_t *packed;   /* (N/64, K/2, 64) */
-    const uint32_t *scales;  /* (K/32, N): bf16 scale in the low half, bf16 zero in the high half */
-    const uint16_t *bias;    /* (N,) bf16, or NULL */
+    int64_t kind;            /* INT4, BF16, FP32 or FP32_INPUT_MAJOR */
+    const void *weight;      /* INT4: packed (N/64, K/2, 64); BF16, FP32: (N, K); FP32_INPUT_MAJOR: (K, N) */
+    const uint32_t *scales;  /* INT4: (K/32, N), bf16 scale in the low half, bf16 zero in the high */
+    const float *bias;       /* (N,) or NULL */
     int64_t in_features, out_features;
-} Int4Matrix;
+} Matrix;
 
 typedef struct {
     const float *input_norm, *post_norm; /* (E,) */
-    Int4Matrix qkv, o, gate_up, down;
-    uint16_t *keys, *values; /* (slots, Hkv * D) bf16 */
+    Matrix qkv, o, gate_up, down;
+    void *keys, *values; /* (slots, Hkv * D), bf16 or float32 (Model.kv_bf16) */
 } Layer;
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, vocab;
     float eps, scale;
+    int64_t kv_bf16; /* the KV cache holds bf16 (else float32) */
     const Layer *layers;
     const float *final_norm;
-    Int4Matrix lm_head;
+    Matrix lm_head;
 } Model;
 
 typedef struct {
@@ -69,7 +75,7 @@ typedef struct {
     int threads;
 } Step;
 
-int polylane_int4_supported(void) {
+int polylane_supported(void) {
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
     return 1;
 #else
@@ -149,7 +155,7 @@ static inline __attribute__((always_inline)) void group_dot(const uint8_t *base,
 /* y[m, 64b : 64b + 64] for every row m of x, one block of 64 output rows, four rows of x at a
  * time. A group's dot product is sum x (q + 128); the (q - 8) * scale + zero form is restored once
  * per group: scale * acc + (zero - 136 scale) * sum x. */
-static void int4_block(const Int4Matrix *w, const uint32_t *x_pairs, const float *group_sums,
+static void int4_block(const Matrix *w, const uint32_t *x_pairs, const float *group_sums,
                        int64_t rows, int64_t block, float *y, int64_t ldy) {
     const int64_t k = w->in_features, n = w->out_features, pairs = k / 2, groups = k / GROUP;
     const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
@@ -165,7 +171,7 @@ static void int4_block(const Int4Matrix *w, const uint32_t *x_pairs, const float
         }
         pick[r] = _mm512_loadu_si512(table);
     }
-    const uint8_t *base = w->packed + block * pairs * 64;
+    const uint8_t *base = (const uint8_t *)w->weight + block * pairs * 64;
     for (int64_t m0 = 0; m0 < rows; m0 += 4) {
         const int64_t count = rows - m0 < 4 ? rows - m0 : 4;
         const uint32_t *x = x_pairs + m0 * pairs;
@@ -197,7 +203,7 @@ static void int4_block(const Int4Matrix *w, const uint32_t *x_pairs, const float
         }
         if (w->bias != NULL)
             for (int64_t m = 0; m < count; m++)
-                for (int64_t i = 0; i < 64; i++) out[m * ldy + i] += from_bf16(w->bias[block * 64 + i]);
+                for (int64_t i = 0; i < 64; i++) out[m * ldy + i] += w->bias[block * 64 + i];
     }
 }
 
@@ -236,7 +242,7 @@ static void configure_tiles(int64_t rows) {
 
 /* The same product as int4_block with AMX: a group's 16 column pairs unpacked into three weight
  * tiles in turn and multiplied with up to 16 rows of x at once. */
-static void int4_block_amx(const Int4Matrix *w, const uint32_t *x_pairs, const float *group_sums,
+static void int4_block_amx(const Matrix *w, const uint32_t *x_pairs, const float *group_sums,
                            int64_t rows, int64_t block, float *y, int64_t ldy) {
     const int64_t k = w->in_features, n = w->out_features, pairs = k / 2, groups = k / GROUP;
     const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
@@ -255,7 +261,7 @@ static void int4_block_amx(const Int4Matrix *w, const uint32_t *x_pairs, const f
     /* two groups' unpacked weights: the next group is unpacked while the tiles multiply this one */
     __attribute__((aligned(64))) uint8_t weights[2][4][16][64];
     __attribute__((aligned(64))) float products[4][16][16];
-    const uint8_t *base = w->packed + block * pairs * 64;
+    const uint8_t *base = (const uint8_t *)w->weight + block * pairs * 64;
     for (int64_t m = 0; m < rows; m++) memset(y + m * ldy + block * 64, 0, 64 * sizeof(float));
     int64_t configured = rows < 16 ? rows : 16;
     configure_tiles(configured);
@@ -313,11 +319,146 @@ static void int4_block_amx(const Int4Matrix *w, const uint32_t *x_pairs, const f
     }
     if (w->bias != NULL)
         for (int64_t m = 0; m < rows; m++)
-            for (int64_t i = 0; i < 64; i++) y[m * ldy + block * 64 + i] += from_bf16(w->bias[block * 64 + i]);
+            for (int64_t i = 0; i < 64; i++) y[m * ldy + block * 64 + i] += w->bias[block * 64 + i];
+}
+
+/* Tiles 0-3: products of four 16-row slices of a 64-row weight block with up to 16 rows of x
+ * (16 weight rows × the x rows); 4-5: weight rows (16 × 32 columns); 6: x (16 column pairs × rows). */
+static void configure_dense_tiles(int64_t rows) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int i = 0; i < 7; i++) {
+        config.colsb[i] = (uint16_t)(i == 4 || i == 5 ? 64 : 4 * rows);
+        config.rows[i] = 16;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* y[m, 64b : 64b + 64] = x W^T for a bf16 weight (N, K): the weight is the tiles' A operand as it
+ * lies in memory, x the B operand (`x_tiles`: per 16-row chunk of x and group of 32 columns, 16
+ * column pairs × 16 rows), and the float32 products accumulate over all of K in the tiles. */
+static void bf16_block_amx(const Matrix *w, const uint32_t *x_tiles, int64_t rows, int64_t block, float *y,
+                           int64_t ldy) {
+    const int64_t k = w->in_features, groups = k / GROUP;
+    const uint16_t *base = (const uint16_t *)w->weight + block * 64 * k;
+    __attribute__((aligned(64))) float products[4][16][16];
+    int64_t configured = -1;
+    for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+        const int64_t count = rows - m0 < 16 ? rows - m0 : 16;
+        if (count != configured) configure_dense_tiles(configured = count);
+        const uint32_t *chunk = x_tiles + (m0 / 16) * groups * 256;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t g = 0; g < groups; g++) {
+            if (g + 4 < groups) /* 64 row streams: fetch each a few groups ahead */
+                for (int r = 0; r < 64; r++) _mm_prefetch((const char *)(base + r * k + (g + 4) * GROUP), _MM_HINT_T0);
+            _tile_loadd(6, chunk + g * 256, 64);
+            _tile_loadd(4, base + g * GROUP, k * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(5, base + 16 * k + g * GROUP, k * 2);
+            _tile_dpbf16ps(1, 5, 6);
+            _tile_loadd(4, base + 32 * k + g * GROUP, k * 2);
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_loadd(5, base + 48 * k + g * GROUP, k * 2);
+            _tile_dpbf16ps(3, 5, 6);
+        }
+        _tile_stored(0, products[0], 64);
+        _tile_stored(1, products[1], 64);
+        _tile_stored(2, products[2], 64);
+        _tile_stored(3, products[3], 64);
+        for (int64_t m = 0; m < count; m++)
+            for (int j = 0; j < 4; j++)
+                for (int r = 0; r < 16; r++) {
+                    const int64_t n = block * 64 + 16 * j + r;
+                    y[(m0 + m) * ldy + n] = products[j][r][m] + (w->bias != NULL ? w->bias[n] : 0.0f);
+                }
+    }
 }
 #endif
 
-void polylane_int4_use_amx(int on) {
+/* x's bf16 column pairs (rows, K/2) laid out as AMX B tiles: per 16-row chunk and group of 32
+ * columns, 16 pairs × 16 rows (rows past the end zero). */
+static void pairs_as_tiles(const uint32_t *x_pairs, int64_t rows, int64_t pairs, uint32_t *x_tiles) {
+    const int64_t groups = pairs / 16, chunks = (rows + 15) / 16;
+    memset(x_tiles, 0, sizeof(uint32_t) * (size_t)(chunks * groups * 256));
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t kk = 0; kk < pairs; kk++)
+            x_tiles[((m / 16) * groups + kk / 16) * 256 + (kk % 16) * 16 + m % 16] = x_pairs[m * pairs + kk];
+}
+
+/* y[m, 64b : 64b + 64] = x W^T for a dense bf16 or float32 weight (N, K), with AVX-512: four
+ * weight rows × up to four rows of x at a time, each dot product one chain over K then one lane
+ * sum, so a row's result does not depend on the others. bf16 multiplies x's bf16 pairs. */
+static void dense_block_avx(const Matrix *w, const float *x, const uint32_t *x_pairs, int64_t rows, int64_t block,
+                            float *y, int64_t ldy) {
+    const int64_t k = w->in_features, bf16 = w->kind == BF16;
+    const int64_t step = bf16 ? 32 : 16; /* columns per vector */
+    for (int64_t n0 = block * 64; n0 < block * 64 + 64; n0 += 4) {
+        for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+            const int64_t count = rows - m0 < 4 ? rows - m0 : 4;
+            __m512 acc[4][4];
+            for (int m = 0; m < 4; m++)
+                for (int o = 0; o < 4; o++) acc[m][o] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < k; c += step) {
+                __m512 wv[4];
+                for (int o = 0; o < 4; o++) {
+                    const char *row = bf16 ? (const char *)((const uint16_t *)w->weight + (n0 + o) * k + c)
+                                           : (const char *)((const float *)w->weight + (n0 + o) * k + c);
+                    _mm_prefetch(row + PREFETCH_BYTES, _MM_HINT_T0);
+                    wv[o] = _mm512_loadu_ps((const float *)row);
+                }
+                for (int64_t m = 0; m < count; m++) {
+                    if (bf16) {
+                        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x_pairs + (m0 + m) * (k / 2) + c / 2);
+                        for (int o = 0; o < 4; o++) acc[m][o] = _mm512_dpbf16_ps(acc[m][o], (__m512bh)wv[o], xv);
+                    } else {
+                        const __m512 xv = _mm512_loadu_ps(x + (m0 + m) * k + c);
+                        for (int o = 0; o < 4; o++) acc[m][o] = _mm512_fmadd_ps(wv[o], xv, acc[m][o]);
+                    }
+                }
+            }
+            for (int64_t m = 0; m < count; m++)
+                for (int o = 0; o < 4; o++)
+                    y[(m0 + m) * ldy + n0 + o] =
+                        _mm512_reduce_add_ps(acc[m][o]) + (w->bias != NULL ? w->bias[n0 + o] : 0.0f);
+        }
+    }
+}
+
+/* y[m, 64b : 64b + 64] = x W for a float32 weight stored (K, N): per row of x, four vectors of
+ * 16 outputs accumulate x[m, k] · W[k, 64b : 64b + 64] over k, in order. */
+static void input_major_block(const Matrix *w, const float *x, int64_t rows, int64_t block, float *y, int64_t ldy) {
+    const int64_t k = w->in_features, n = w->out_features;
+    const float *base = (const float *)w->weight + block * 64;
+    for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+        const int64_t count = rows - m0 < 4 ? rows - m0 : 4;
+        __m512 acc[4][4];
+        for (int m = 0; m < 4; m++)
+            for (int j = 0; j < 4; j++) acc[m][j] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < k; c++) {
+            const float *row = base + c * n;
+            if (c + 16 < k) /* one 256-byte run per input row, N floats apart */
+                for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(row + 16 * n + 16 * j), _MM_HINT_T0);
+            __m512 wv[4];
+            for (int j = 0; j < 4; j++) wv[j] = _mm512_loadu_ps(row + 16 * j);
+            for (int64_t m = 0; m < count; m++) {
+                const __m512 xv = _mm512_set1_ps(x[(m0 + m) * k + c]);
+                for (int j = 0; j < 4; j++) acc[m][j] = _mm512_fmadd_ps(wv[j], xv, acc[m][j]);
+            }
+        }
+        for (int64_t m = 0; m < count; m++)
+            for (int j = 0; j < 4; j++) {
+                __m512 v = acc[m][j];
+                if (w->bias != NULL) v = _mm512_add_ps(v, _mm512_loadu_ps(w->bias + block * 64 + 16 * j));
+                _mm512_storeu_ps(y + (m0 + m) * ldy + block * 64 + 16 * j, v);
+            }
+    }
+}
+
+void polylane_use_amx(int on) {
 #ifdef HAVE_AMX
     use_amx = on;
 #else
@@ -325,43 +466,78 @@ void polylane_int4_use_amx(int on) {
 #endif
 }
 
-/* y (rows, N) = x (rows, K) W^T, float32 in and out; `x16` and `sums` are scratch. */
-static void int4_matmul(const Int4Matrix *w, const float *x, int64_t rows, float *y, uint16_t *x16,
-                        float *sums, int threads) {
-    prepare_rows(x, rows, w->in_features, x16, sums);
-    const int64_t blocks = w->out_features / 64;
+/* Scratch for `matmul` over at most `rows` rows of at most `width` columns. */
+typedef struct {
+    uint16_t *x16;     /* rows × width bf16 */
+    float *sums;       /* rows × width / 32 */
+    uint32_t *x_tiles; /* ceil(rows / 16) × width / 32 × 256 */
+} Scratch;
+
+static int scratch_alloc(Scratch *scratch, int64_t rows, int64_t width) {
+    scratch->x16 = malloc(sizeof(uint16_t) * (size_t)(rows * width));
+    scratch->sums = malloc(sizeof(float) * (size_t)(rows * (width / GROUP + 1)));
+    scratch->x_tiles = malloc(sizeof(uint32_t) * (size_t)((rows + 15) / 16 * (width / GROUP + 1) * 256));
+    return scratch->x16 && scratch->sums && scratch->x_tiles ? 0 : -1;
+}
+
+static void scratch_free(Scratch *scratch) {
+    free(scratch->x16);
+    free(scratch->sums);
+    free(scratch->x_tiles);
+}
+
+static int amx_on(void) {
 #ifdef HAVE_AMX
-    if (use_amx && request_amx()) {
+    return use_amx && request_amx();
+#else
+    return 0;
+#endif
+}
+
+/* y (rows, N) = x (rows, K) W^T + b, float32 in and out, for any kind of weight. */
+static void matmul(const Matrix *w, const float *x, int64_t rows, float *y, const Scratch *scratch, int threads) {
+    const int64_t blocks = w->out_features / 64;
+    const uint32_t *x_pairs = (const uint32_t *)scratch->x16;
+    const int dense32 = w->kind == FP32 || w->kind == FP32_INPUT_MAJOR;
+    if (!dense32) prepare_rows(x, rows, w->in_features, scratch->x16, scratch->sums);
+    const int amx = amx_on();
+#ifdef HAVE_AMX
+    if (amx && !dense32) {
+        if (w->kind == BF16) pairs_as_tiles(x_pairs, rows, w->in_features / 2, scratch->x_tiles);
 #pragma omp parallel num_threads(threads)
         {
 #pragma omp for schedule(static)
-            for (int64_t b = 0; b < blocks; b++)
-                int4_block_amx(w, (const uint32_t *)x16, sums, rows, b, y, w->out_features);
+            for (int64_t b = 0; b < blocks; b++) {
+                if (w->kind == INT4) int4_block_amx(w, x_pairs, scratch->sums, rows, b, y, w->out_features);
+                else bf16_block_amx(w, scratch->x_tiles, rows, b, y, w->out_features);
+            }
             _tile_release();
         }
         return;
     }
 #endif
+    (void)amx;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++)
-        int4_block(w, (const uint32_t *)x16, sums, rows, b, y, w->out_features);
+    for (int64_t b = 0; b < blocks; b++) {
+        if (w->kind == INT4) int4_block(w, x_pairs, scratch->sums, rows, b, y, w->out_features);
+        else if (w->kind == FP32_INPUT_MAJOR) input_major_block(w, x, rows, b, y, w->out_features);
+        else dense_block_avx(w, x, x_pairs, rows, b, y, w->out_features);
+    }
 }
 
-/* y (rows, N) = x (rows, K) W^T alone (for tests and benchmarks); returns -1 without memory. */
-int polylane_int4_matmul(const Int4Matrix *w, const float *x, int64_t rows, float *y, int threads) {
-    uint16_t *x16 = malloc(sizeof(uint16_t) * (size_t)(rows * w->in_features));
-    float *sums = malloc(sizeof(float) * (size_t)(rows * (w->in_features / GROUP)));
-    const int status = x16 && sums ? 0 : -1;
-    if (status == 0) int4_matmul(w, x, rows, y, x16, sums, threads);
-    free(x16);
-    free(sums);
+/* y (rows, N) = x (rows, K) W^T + b alone (for tests and benchmarks); returns -1 without memory. */
+int polylane_matmul(const Matrix *w, const float *x, int64_t rows, float *y, int threads) {
+    Scratch scratch;
+    int status = scratch_alloc(&scratch, rows, w->in_features);
+    if (status == 0) matmul(w, x, rows, y, &scratch, threads);
+    scratch_free(&scratch);
     return status;
 }
 
 /* Which matrix kernel runs: 2 = AMX tiles, 1 = AVX512-BF16 dot products. */
-int polylane_int4_kernel(void) {
+int polylane_kernel(void) {
 #ifdef HAVE_AMX
-    if (use_amx && request_amx()) return 2;
+    if (amx_on()) return 2;
 #endif
     return 1;
 }
@@ -439,8 +615,15 @@ static inline __m512 sum16(const __m512 v[16]) {
 /* out (T, H * D): each token's query heads over the keys it may see, one KV head's group at a
  * time (grouped-query attention without repeating K/V). Head sizes are multiples of 16 (checked
  * in Python); `scratch` holds a group's scores per thread (threads * group * C floats). */
-static void attention(const Model *model, const Layer *layer, const Step *step, const float *qkv,
-                      float *out, float *scratch) {
+static inline __attribute__((always_inline)) __m512 load_kv(const void *row, int64_t offset, const int bf16) {
+    return bf16 ? load_bf16((const uint16_t *)row + offset) : _mm512_loadu_ps((const float *)row + offset);
+}
+
+static inline __attribute__((always_inline)) void attention_impl(const Model *model, const Layer *layer,
+                                                                 const Step *step, const float *qkv, float *out,
+                                                                 float *scratch, const int bf16) {
+    const int64_t element = bf16 ? 2 : 4;
+    const char *keys = layer->keys, *values = layer->values;
     const int64_t heads = model->heads, kv_heads = model->kv_heads, dim = model->head_dim;
     const int64_t group = heads / kv_heads, width = (heads + 2 * kv_heads) * dim;
     const int64_t kv_width = kv_heads * dim, context = step->context_len, vectors = dim / 16;
@@ -462,17 +645,17 @@ static void attention(const Model *model, const Layer *layer, const Step *step, 
                         lanes, _mm_maskz_loadu_epi8(lanes, visible + c0), _mm_setzero_si128());
                     if (c0 + 16 < context)
                         for (int64_t c = c0 + 16; c < c0 + 32 && c < context; c++)
-                            _mm_prefetch((const char *)(layer->keys + slots[c] * kv_width + kvh * dim), _MM_HINT_T0);
-                    const uint16_t *key[16];
+                            _mm_prefetch(keys + (slots[c] * kv_width + kvh * dim) * element, _MM_HINT_T0);
+                    const char *key[16];
                     for (int64_t c = 0; c < 16; c++)
-                        key[c] = layer->keys + slots[c0 + (c < span ? c : 0)] * kv_width + kvh * dim;
+                        key[c] = keys + (slots[c0 + (c < span ? c : 0)] * kv_width + kvh * dim) * element;
                     for (int64_t g = 0; g < group; g++) {
                         const float *qg = q + g * dim;
                         __m512 products[16];
                         for (int64_t c = 0; c < 16; c++) {
-                            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), load_bf16(key[c]));
+                            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), load_kv(key[c], 0, bf16));
                             for (int64_t v = 1; v < vectors; v++)
-                                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), load_bf16(key[c] + 16 * v), acc);
+                                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), load_kv(key[c], 16 * v, bf16), acc);
                             products[c] = acc;
                         }
                         const __m512 sums = _mm512_mul_ps(sum16(products), _mm512_set1_ps(model->scale));
@@ -500,13 +683,13 @@ static void attention(const Model *model, const Layer *layer, const Step *step, 
                     for (int64_t v = 0; v < vectors; v++) acc[v] = _mm512_setzero_ps();
                     for (int64_t c = 0; c < context; c++) {
                         if (row[c] == 0.0f) continue;
-                        const uint16_t *value = layer->values + slots[c] * kv_width + kvh * dim;
+                        const char *value = values + (slots[c] * kv_width + kvh * dim) * element;
                         if (c + 8 < context)
-                            for (int64_t v = 0; v < vectors; v++)
-                                _mm_prefetch((const char *)(layer->values + slots[c + 8] * kv_width + kvh * dim + 16 * v), _MM_HINT_T0);
+                            for (int64_t b = 0; b < dim * element; b += 64)
+                                _mm_prefetch(values + (slots[c + 8] * kv_width + kvh * dim) * element + b, _MM_HINT_T0);
                         const __m512 p = _mm512_set1_ps(row[c]);
                         for (int64_t v = 0; v < vectors; v++)
-                            acc[v] = _mm512_fmadd_ps(p, load_bf16(value + 16 * v), acc[v]);
+                            acc[v] = _mm512_fmadd_ps(p, load_kv(value, 16 * v, bf16), acc[v]);
                     }
                     for (int64_t v = 0; v < vectors; v++)
                         _mm512_storeu_ps(o + g * dim + 16 * v, _mm512_mul_ps(acc[v], _mm512_set1_ps(inv)));
@@ -514,6 +697,12 @@ static void attention(const Model *model, const Layer *layer, const Step *step, 
             }
         }
     }
+}
+
+static void attention(const Model *model, const Layer *layer, const Step *step, const float *qkv, float *out,
+                      float *scratch) {
+    if (model->kv_bf16) attention_impl(model, layer, step, qkv, out, scratch, 1);
+    else attention_impl(model, layer, step, qkv, out, scratch, 0);
 }
 
 /* out[i] = silu(gate[i]) * up[i] for one token's MLP (`size` a multiple of 16). */
@@ -528,7 +717,7 @@ static void gated_silu(const float *gate, const float *up, int64_t size, float *
 
 /* Run every layer over `hidden` (T, E) in place, then the final norm and output projection of the
  * rows `step->logit_rows` into `logits` (R, V). Returns 0, or -1 when scratch memory ran out. */
-int polylane_int4_forward(const Model *model, const Step *step, float *hidden, float *logits) {
+int polylane_forward(const Model *model, const Step *step, float *hidden, float *logits) {
     const int64_t t = step->tokens, e = model->hidden, dim = model->head_dim;
     const int64_t q_width = model->heads * dim, kv_width = model->kv_heads * dim;
     const int64_t qkv_width = q_width + 2 * kv_width, inter = model->intermediate;
@@ -540,63 +729,68 @@ int polylane_int4_forward(const Model *model, const Step *step, float *hidden, f
     float *wide = malloc(sizeof(float) * (size_t)(t * widest));
     float *narrow = malloc(sizeof(float) * (size_t)(t * (q_width > inter ? q_width : inter)));
     float *residual = malloc(sizeof(float) * (size_t)(t * e));
-    uint16_t *x16 = malloc(sizeof(uint16_t) * (size_t)(rows * widest));
-    float *sums = malloc(sizeof(float) * (size_t)(rows * (widest / GROUP + 1)));
+    Scratch scratch;
+    const int scratch_status = scratch_alloc(&scratch, rows, widest);
     float *scores = malloc(sizeof(float) * (size_t)(step->threads * (model->heads / model->kv_heads) * step->context_len));
     int status = 0;
-    if (!normed || !wide || !narrow || !residual || !x16 || !sums || !scores) {
+    if (!normed || !wide || !narrow || !residual || scratch_status || !scores) {
         status = -1;
         goto done;
     }
     for (int64_t l = 0; l < model->num_layers; l++) {
         const Layer *layer = &model->layers[l];
         rms_norm(hidden, layer->input_norm, t, e, model->eps, normed);
-        int4_matmul(&layer->qkv, normed, t, wide, x16, sums, step->threads);
+        matmul(&layer->qkv, normed, t, wide, &scratch, step->threads);
         for (int64_t i = 0; i < t; i++) {
             float *row = wide + i * qkv_width;
             const float *rotation = step->rotations + i * dim;
             rotate(row, model->heads + model->kv_heads, dim, rotation);
-            store_bf16(row + q_width, kv_width, layer->keys + step->slots[i] * kv_width);
-            store_bf16(row + q_width + kv_width, kv_width, layer->values + step->slots[i] * kv_width);
+            if (model->kv_bf16) {
+                store_bf16(row + q_width, kv_width, (uint16_t *)layer->keys + step->slots[i] * kv_width);
+                store_bf16(row + q_width + kv_width, kv_width, (uint16_t *)layer->values + step->slots[i] * kv_width);
+            } else {
+                memcpy((float *)layer->keys + step->slots[i] * kv_width, row + q_width, sizeof(float) * (size_t)kv_width);
+                memcpy((float *)layer->values + step->slots[i] * kv_width, row + q_width + kv_width,
+                       sizeof(float) * (size_t)kv_width);
+            }
         }
         attention(model, layer, step, wide, narrow, scores);
-        int4_matmul(&layer->o, narrow, t, residual, x16, sums, step->threads);
+        matmul(&layer->o, narrow, t, residual, &scratch, step->threads);
         for (int64_t i = 0; i < t * e; i++) hidden[i] += residual[i];
         rms_norm(hidden, layer->post_norm, t, e, model->eps, normed);
-        int4_matmul(&layer->gate_up, normed, t, wide, x16, sums, step->threads);
+        matmul(&layer->gate_up, normed, t, wide, &scratch, step->threads);
         for (int64_t i = 0; i < t; i++)
             gated_silu(wide + i * 2 * inter, wide + i * 2 * inter + inter, inter, narrow + i * inter);
-        int4_matmul(&layer->down, narrow, t, residual, x16, sums, step->threads);
+        matmul(&layer->down, narrow, t, residual, &scratch, step->threads);
         for (int64_t i = 0; i < t * e; i++) hidden[i] += residual[i];
     }
     for (int64_t r = 0; r < step->num_logits; r++)
         rms_norm(hidden + step->logit_rows[r] * e, model->final_norm, 1, e, model->eps, normed + r * e);
-    int4_matmul(&model->lm_head, normed, step->num_logits, logits, x16, sums, step->threads);
+    matmul(&model->lm_head, normed, step->num_logits, logits, &scratch, step->threads);
 done:
     free(normed);
     free(wide);
     free(narrow);
     free(residual);
-    free(x16);
-    free(sums);
+    scratch_free(&scratch);
     free(scores);
     return status;
 }
 
 #else
 
-int polylane_int4_forward(const Model *model, const Step *step, float *hidden, float *logits) {
+int polylane_forward(const Model *model, const Step *step, float *hidden, float *logits) {
     (void)model, (void)step, (void)hidden, (void)logits;
     return -2;
 }
 
-int polylane_int4_matmul(const Int4Matrix *w, const float *x, int64_t rows, float *y, int threads) {
+int polylane_matmul(const Matrix *w, const float *x, int64_t rows, float *y, int threads) {
     (void)w, (void)x, (void)rows, (void)y, (void)threads;
     return -2;
 }
 
-int polylane_int4_kernel(void) { return 0; }
+int polylane_kernel(void) { return 0; }
 
-void polylane_int4_use_amx(int on) { (void)on; }
+void polylane_use_amx(int on) { (void)on; }
 
 #endif

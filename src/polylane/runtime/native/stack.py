@@ -1,0 +1,351 @@
+"""A Llama/Qwen2 model's whole layer stack in one native call (decoder.c), and when it runs.
+
+What this module owns: deciding whether a loaded model can run natively (Llama-style blocks,
+projections int4, bf16 or float32 with output rows in blocks of 64, a C compiler and a CPU with
+AVX512-BF16 and VBMI), describing its weights to the C code once (`NativeStack.build`, called by
+`load_model`), and, per forward, the index arrays the C code reads (which slots each token writes
+and reads, which keys it may see). `DecoderModel.forward` asks `NativeStack.forward` first; a None
+answer (a batch of many tokens, boundary states to record, a cache off the CPU) means the torch
+path runs. Gemma 3 and int8 models always run on torch.
+
+The C code computes each token independently of the others in its batch (see its header), so a
+decode step and a verify pass agree exactly. Long prefill chunks go to torch, whose dense GEMMs
+win there (`max_tokens`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from polylane.runtime.batch import ForwardBatch
+from polylane.runtime.kv_cache import PagedKVCache
+from polylane.runtime.layers import Projection
+from polylane.runtime.model_config import GLOBAL, ModelConfig
+from polylane.runtime.native.build import load_library
+
+if TYPE_CHECKING:
+    from polylane.runtime.models.base import DecoderModel
+
+# Batches of this many tokens or more run on torch. int4 and bf16 weights go through AMX tiles
+# (or bf16 dot products) up to here; the C attention is a loop per token, quadratic in a long
+# prompt (SmolLM2 int4 prefill, tokens/s native vs torch: 1,736 vs 669 at 127 tokens, 1,199 vs 866
+# at 383: `python bench/native_step.py`). Float32 weights have no matrix unit: from a few rows on,
+# MKL's GEMMs win, so a model with any float32 projection sends batches of FP32_MAX_TOKENS or more
+# to torch.
+MAX_TOKENS = 384
+FP32_MAX_TOKENS = 8
+# The C attention holds a head's output in registers, 16 floats each.
+MAX_HEAD_DIM = 128
+INT4, BF16, FP32, FP32_INPUT_MAJOR = 0, 1, 2, 3
+
+_pointer = ctypes.c_void_p
+
+
+class Matrix(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int64),
+        ("weight", _pointer),
+        ("scales", _pointer),
+        ("bias", _pointer),
+        ("in_features", ctypes.c_int64),
+        ("out_features", ctypes.c_int64),
+    ]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", _pointer),
+        ("post_norm", _pointer),
+        ("qkv", Matrix),
+        ("o", Matrix),
+        ("gate_up", Matrix),
+        ("down", Matrix),
+        ("keys", _pointer),
+        ("values", _pointer),
+    ]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [
+        ("num_layers", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("vocab", ctypes.c_int64),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("kv_bf16", ctypes.c_int64),
+        ("layers", ctypes.POINTER(Layer)),
+        ("final_norm", _pointer),
+        ("lm_head", Matrix),
+    ]
+
+
+class Step(ctypes.Structure):
+    _fields_ = [
+        ("tokens", ctypes.c_int64),
+        ("rotations", _pointer),
+        ("slots", _pointer),
+        ("context", _pointer),
+        ("context_len", ctypes.c_int64),
+        ("sequence", _pointer),
+        ("visible", _pointer),
+        ("num_logits", ctypes.c_int64),
+        ("logit_rows", _pointer),
+        ("threads", ctypes.c_int),
+    ]
+
+
+KERNELS = {1: "avx512-bf16", 2: "amx"}
+
+
+def library() -> ctypes.CDLL | None:
+    """The native kernels, or None where they cannot run (no compiler, no AVX512-BF16/VBMI)."""
+    lib = load_library("decoder")
+    if lib is None or not lib.polylane_supported():
+        return None
+    lib.polylane_forward.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Step), _pointer, _pointer]
+    lib.polylane_forward.restype = ctypes.c_int
+    lib.polylane_matmul.argtypes = [ctypes.POINTER(Matrix), _pointer, ctypes.c_int64, _pointer, ctypes.c_int]
+    lib.polylane_matmul.restype = ctypes.c_int
+    lib.polylane_use_amx.argtypes = [ctypes.c_int]
+    return lib
+
+
+def kernel_name() -> str | None:
+    """'amx' or 'avx512-bf16': the matrix kernel the native stack runs here; None without one."""
+    lib = library()
+    return None if lib is None else KERNELS.get(lib.polylane_kernel())
+
+
+def supports(config: ModelConfig) -> bool:
+    """Whether models of this shape can run natively on this machine (before loading)."""
+    return _config_reason(config) is None and library() is not None
+
+
+def _config_reason(config: ModelConfig) -> str | None:
+    if config.architecture not in ("llama", "qwen2"):
+        return f"architecture {config.architecture}"
+    if config.qk_norm or config.sandwich_norms or config.has_sliding_layers or config.final_logit_softcap:
+        return "Gemma-style norms, sliding layers or soft-capping"
+    if config.activation != "silu":
+        return f"activation {config.activation}"
+    if config.head_dim % 16 or config.head_dim > MAX_HEAD_DIM or config.intermediate_size % 16:
+        return "head or MLP sizes that are not multiples of 16 (or heads over 128)"
+    return None
+
+
+def _weight_matrix(weight: torch.Tensor, bias: torch.Tensor | None, input_major: bool, keep: list) -> Matrix:
+    """A dense weight as the C code reads it: bf16 or float32 (N, K), or float32 (K, N)."""
+    if weight.dtype == torch.bfloat16 and not input_major:
+        kind = BF16
+    elif weight.dtype == torch.float32:
+        kind = FP32_INPUT_MAJOR if input_major else FP32
+    else:
+        raise ValueError(
+            f"no native kernel for {weight.dtype} weights{' stored (in, out)' if input_major else ''}"
+        )
+    in_features, out_features = weight.shape if input_major else weight.shape[::-1]
+    return _described(kind, weight.detach().contiguous(), None, bias, in_features, out_features, keep)
+
+
+def _described(kind, weight, scales, bias, in_features, out_features, keep: list) -> Matrix:
+    if out_features % 64 or in_features % 32:
+        raise ValueError(f"a {out_features}×{in_features} projection is not in blocks of 64 rows, 32 columns")
+    bias32 = None if bias is None else bias.detach().float().contiguous()
+    keep.extend(t for t in (weight, scales, bias32) if t is not None)
+    return Matrix(
+        kind,
+        weight.data_ptr(),
+        None if scales is None else scales.data_ptr(),
+        None if bias32 is None else bias32.data_ptr(),
+        in_features,
+        out_features,
+    )
+
+
+def describe(projection: nn.Module, keep: list[torch.Tensor]) -> Matrix:
+    """Any projection of a model (int4, bf16 or float32) as the C code reads it; `keep` collects
+    the tensors the description points into. ValueError where no native kernel fits."""
+    from polylane.runtime.quantize import QuantizedProjection
+
+    if isinstance(projection, QuantizedProjection):
+        if projection.bits != 4:
+            raise ValueError("no native kernel for int8 weights")
+        qweight, scales = projection.qweight.contiguous(), projection.scales.contiguous()
+        bias = projection.bias
+        return _described(INT4, qweight, scales, bias, projection.in_features, projection.out_features, keep)
+    if isinstance(projection, Projection):
+        return _weight_matrix(projection.weight, projection.bias, projection.input_major, keep)
+    raise ValueError(f"no native kernel for {type(projection).__name__}")
+
+
+def matmul(projection: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float32 times a projection's weight (plus bias) through the C kernels (tests, benches)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("polylane's native kernels are not available on this machine")
+    keep: list[torch.Tensor] = []
+    matrix = describe(projection, keep)
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], matrix.out_features)
+    threads = torch.get_num_threads()
+    if lib.polylane_matmul(ctypes.byref(matrix), x.data_ptr(), x.shape[0], y.data_ptr(), threads):
+        raise MemoryError("the native matmul could not allocate its scratch memory")
+    return y
+
+
+def _output_matrix(model: DecoderModel, keep: list[torch.Tensor]) -> Matrix:
+    if model.lm_head is not None:
+        return describe(model.lm_head, keep)
+    if model.vocab_columns is not None:  # tied float32 embeddings kept (hidden, vocab)
+        return _weight_matrix(model.vocab_columns, None, True, keep)
+    return _weight_matrix(model.embed_tokens.weight, None, False, keep)
+
+
+class NativeStack:
+    """A model's weights as the C code reads them, and the call that runs them."""
+
+    def __init__(self, lib: ctypes.CDLL, model: DecoderModel) -> None:
+        config = model.config
+        self._lib = lib
+        self._keep: list[torch.Tensor] = []  # every tensor the C structures point into
+        layers = (Layer * config.num_layers)()
+        kinds = set()
+        for index, block in enumerate(model.layers):
+            norms = [
+                block.input_layernorm.weight.detach().float().contiguous(),
+                block.post_attention_layernorm.weight.detach().float().contiguous(),
+            ]
+            self._keep.extend(norms)
+            layers[index].input_norm = norms[0].data_ptr()
+            layers[index].post_norm = norms[1].data_ptr()
+            layers[index].qkv = describe(block.self_attn.qkv_proj, self._keep)
+            layers[index].o = describe(block.self_attn.o_proj, self._keep)
+            layers[index].gate_up = describe(block.mlp.gate_up_proj, self._keep)
+            layers[index].down = describe(block.mlp.down_proj, self._keep)
+            kinds |= {
+                layers[index].qkv.kind,
+                layers[index].o.kind,
+                layers[index].gate_up.kind,
+                layers[index].down.kind,
+            }
+        final_norm = model.norm.weight.detach().float().contiguous()
+        self._keep.append(final_norm)
+        lm_head = _output_matrix(model, self._keep)
+        kinds.add(lm_head.kind)
+        self.max_tokens = FP32_MAX_TOKENS if kinds & {FP32, FP32_INPUT_MAJOR} else MAX_TOKENS
+        self._layers = layers
+        self._model = Model(
+            num_layers=config.num_layers,
+            hidden=config.hidden_size,
+            heads=config.num_heads,
+            kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            intermediate=config.intermediate_size,
+            vocab=lm_head.out_features,
+            eps=config.rms_norm_eps,
+            scale=config.attention_scale or config.head_dim**-0.5,
+            kv_bf16=0,
+            layers=layers,
+            final_norm=final_norm.data_ptr(),
+            lm_head=lm_head,
+        )
+        self._bound_cache: weakref.ref[PagedKVCache] | None = None
+
+    @classmethod
+    def build(cls, model: DecoderModel) -> NativeStack | None:
+        """The native stack of a loaded model, or None where it cannot run (see module doc)."""
+        if _config_reason(model.config) is not None or model.norm.weight.device.type != "cpu":
+            return None
+        lib = library()
+        if lib is None:
+            return None
+        try:
+            return cls(lib, model)
+        except ValueError:  # a projection no kernel takes (int8, odd shapes): torch runs it
+            return None
+
+    def _bind(self, cache: PagedKVCache) -> None:
+        if self._bound_cache is not None and self._bound_cache() is cache:
+            return
+        for index in range(len(self._layers)):
+            self._layers[index].keys = cache.keys[index].data_ptr()
+            self._layers[index].values = cache.values[index].data_ptr()
+        self._model.kv_bf16 = int(cache.dtype == torch.bfloat16)
+        self._bound_cache = weakref.ref(cache)
+
+    def forward(self, model: DecoderModel, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor | None:
+        """Logits (R, vocab) of the batch's logit rows with its K/V written, or None when this
+        batch is for the torch path (`max_tokens` or more tokens, boundary states to record, a
+        cache off the CPU or neither bf16 nor float32)."""
+        tokens = batch.token_ids.shape[0]
+        if (
+            tokens >= self.max_tokens
+            or cache.boundary_states
+            or cache.dtype not in (torch.bfloat16, torch.float32)
+        ):
+            return None
+        if cache.keys[0].device.type != "cpu":
+            return None
+        self._bind(cache)
+        hidden = model.embed(batch.token_ids).float().contiguous()  # (T, E)
+        if model.config.embedding_scale != 1.0:
+            hidden *= model.config.embedding_scale
+        rotations = torch.view_as_real(model._rotary[GLOBAL].lookup(batch.positions)).contiguous()
+        context, sequence, visible = _attention_rows(batch, tokens)
+        logit_rows = batch.logit_rows.contiguous()
+        logits = torch.empty(logit_rows.shape[0], self._model.vocab, dtype=torch.float32)
+        step = Step(
+            tokens=tokens,
+            rotations=rotations.data_ptr(),
+            slots=batch.slot_mapping.contiguous().data_ptr(),
+            context=context.data_ptr(),
+            context_len=context.shape[1],
+            sequence=sequence.data_ptr(),
+            visible=visible.data_ptr(),
+            num_logits=logit_rows.shape[0],
+            logit_rows=logit_rows.data_ptr(),
+            threads=torch.get_num_threads(),
+        )
+        status = self._lib.polylane_forward(
+            ctypes.byref(self._model), ctypes.byref(step), hidden.data_ptr(), logits.data_ptr()
+        )
+        if status != 0:
+            raise MemoryError("the native forward could not allocate its scratch memory")
+        return logits
+
+
+def _attention_rows(batch: ForwardBatch, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per forward: (B, C) slots each sequence reads, (T,) sequence of each token, and (T, C)
+    bool keys each token may see, from the batch's global-attention layout."""
+    layout = batch.layouts[GLOBAL]
+    if layout.kv_range is not None:
+        start, stop = layout.kv_range
+        context = torch.arange(start, stop, dtype=torch.long).view(1, -1)
+    elif layout.kv_index is not None:
+        context = layout.kv_index.view(layout.batch_size, -1)
+    else:  # a fresh prefill reads its own new K/V, written before attention runs
+        context = batch.slot_mapping.view(1, -1)
+    width = context.shape[1]
+    if layout.mask is None:
+        if layout.is_causal:
+            visible = torch.ones(tokens, width, dtype=torch.bool).tril()
+        else:
+            visible = torch.ones(tokens, width, dtype=torch.bool)
+        sequence = torch.zeros(tokens, dtype=torch.long)
+    else:
+        rows = layout.mask.reshape(-1, width)  # (B * Q, C)
+        if layout.out_index is None:
+            visible, sequence = rows, torch.zeros(tokens, dtype=torch.long)
+        else:
+            queries = rows.shape[0] // layout.batch_size
+            visible, sequence = rows.index_select(0, layout.out_index), layout.out_index // queries
+    return context.contiguous(), sequence.contiguous(), visible.contiguous()
