@@ -1,13 +1,13 @@
-"""One int4 forward step, native stack against the torch path, side by side in one run.
+"""One forward step, native stack against the torch path, side by side in one run.
 
-Run:  python bench/native_step.py [--model smollm2-135m-instruct] [--batch 1 8] [--context 64 400]
-      [--threads 2] [--steps 40]
+Run:  python bench/native_step.py [--model smollm2-135m-instruct] [--dtype int4|bf16|fp32]
+      [--batch 1 8] [--context 64 400] [--threads 2] [--steps 40]
 
-Loads the model at int4 and times the bare forward (no engine) of a decode step — --batch
-sequences, one new token each, after --context tokens — median of --steps steps, for: the native
-stack with its AMX kernel (where the CPU has AMX), with its AVX512-BF16 kernel, and the torch int4
-path (`module.native_stack` set aside). Also a prefill forward of 127 and 383 tokens. Prints a table
-and, last, one JSON line with every number.
+Loads the model and times the bare forward (no engine) of a decode step — --batch sequences, one
+new token each, after --context tokens — median of --steps steps, for: the native stack with its
+AMX kernel (where the CPU has AMX), with its AVX512-BF16 kernel, and the torch path
+(`module.native_stack` set aside), all on the same KV cache. Also a prefill forward of 127 and 383
+tokens where the native stack takes that many. Prints a table and, last, one JSON line.
 """
 
 from __future__ import annotations
@@ -43,17 +43,18 @@ def time_step(module, cache, chunks, steps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="int4", choices=["int4", "bf16", "fp32"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--context", type=int, nargs="+", default=[64, 400])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model(args.model, "int4", quiet=True)
+    model = load_model(args.model, args.dtype, quiet=True)
     module, lib = model.module, native.library()
     stack = module.native_stack
     if stack is None or lib is None:
-        raise SystemExit("the native int4 stack does not run here (no compiler or no AVX512-BF16)")
+        raise SystemExit("the native stack does not run here (no compiler or no AVX512-BF16)")
     kernels = ["amx", "avx512-bf16"] if native.kernel_name() == "amx" else ["avx512-bf16"]
     systems = [*kernels, "torch"]
 
@@ -81,7 +82,7 @@ def main() -> None:
             for system in systems:
                 seconds = run(system, time_step, module, cache, chunks, args.steps)
                 results[system][f"decode_b{batch_size}_c{context}_ms"] = seconds * 1e3
-    for tokens in (127, 383):
+    for tokens in [n for n in (127, 383) if n < stack.max_tokens]:
         table = tuple(range(-(-tokens // BLOCK)))
         cache = PagedKVCache(module.config, len(table), BLOCK, model.kv_dtype)
         chunk = [SequenceChunk(tuple(100 + i for i in range(tokens)), 0, table)]
@@ -90,14 +91,14 @@ def main() -> None:
             results[system][f"prefill_{tokens}_tokens_per_s"] = tokens / seconds
 
     keys = list(results[systems[0]])
-    print(f"{args.model} int4, {args.threads} threads: decode step (ms) and prefill (tokens/s)")
+    print(f"{args.model} {args.dtype}, {args.threads} threads: decode step (ms) and prefill (tokens/s)")
     print("| " + " | ".join(["measure", *systems, f"{systems[0]} speedup"]) + " |")
     print("|---" * (len(systems) + 2) + "|")
     for key in keys:
         values = [results[s][key] for s in systems]
         ratio = values[-1] / values[0] if key.startswith("decode") else values[0] / values[-1]
         print("| " + " | ".join([key, *(f"{v:.2f}" for v in values), f"{ratio:.2f}×"]) + " |")
-    print(json.dumps({"model": args.model, "threads": args.threads, "results": results}))
+    print(json.dumps({"model": args.model, "dtype": args.dtype, "threads": args.threads, "results": results}))
 
 
 if __name__ == "__main__":

@@ -1,25 +1,29 @@
-/* The whole layer stack of a Llama/Qwen2 decoder with int4 weights, for a few tokens at a time.
+/* The whole layer stack of a Llama/Qwen2 decoder, for a few tokens at a time.
  *
  * What this file owns: one call that runs every layer (RMSNorm, fused QKV, RoPE, paged-KV write,
- * grouped-query attention over the paged bf16 KV cache, output projection, gated SiLU MLP, residuals),
+ * grouped-query attention over the paged KV cache, output projection, gated SiLU MLP, residuals),
  * the final norm and the output projection for a flat batch of T tokens, in place of the ~45
- * eager torch ops per layer whose fixed costs dominate a 4-bit decode step (docs/profile.md).
- * Python builds the model description once (runtime/native/stack.py) and the per-forward
- * index arrays; this file does arithmetic only and allocates nothing that outlives a call.
+ * eager torch ops per layer whose fixed costs dominate a decode step (docs/profile.md). Python
+ * builds the model description once (runtime/native/stack.py) and the per-forward index arrays;
+ * this file does arithmetic only and allocates nothing that outlives a call. Activations, norms
+ * and attention are float32; the KV cache is bf16 or float32.
  *
- * Weights are torch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu`), read in place:
- * for each block of 64 output rows and each pair of input columns (k = 2kk, 2kk + 1), 64 bytes
- * where byte j < 32 holds column 2kk and byte j >= 32 column 2kk + 1, of row j % 32 in the low
- * nibble and row 32 + j % 32 in the high nibble; one (scale, zero) bf16 pair per group of 32
- * columns and output row, w = (q - 8) * scale + zero. Activations are rounded to bf16, as torch's
- * kernel takes them, and products accumulate in float32: on AMX tiles where the CPU has them (one
- * tile product per group of 32 columns, up to 16 tokens at once), else with AVX512-BF16 dot
- * products. One process always uses one of the two.
+ * Weights, each projection read in place in one of four forms:
+ * - INT4: torch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu`): for each block of 64
+ *   output rows and each pair of input columns (k = 2kk, 2kk + 1), 64 bytes where byte j < 32
+ *   holds column 2kk and byte j >= 32 column 2kk + 1, of row j % 32 in the low nibble and row
+ *   32 + j % 32 in the high nibble; one (scale, zero) bf16 pair per group of 32 columns and output
+ *   row, w = (q - 8) * scale + zero. Activations are rounded to bf16, as torch's kernel takes
+ *   them; each group's products accumulate in float32, then scale and zero apply.
+ * - BF16: (N, K) bf16, activations rounded to bf16, float32 sums over all of K.
+ * - FP32 (N, K) and FP32_INPUT_MAJOR (K, N): float32 throughout (AVX-512 FMAs).
+ * bf16 products run on AMX tiles where the CPU has them (up to 16 tokens per tile product), else
+ * with AVX512-BF16 dot products; one process always uses one of the two.
  *
  * Every token's arithmetic is the same whatever else is in the batch (rows never mix, and each
  * row's sums run in one fixed order), so a verify pass gives a token exactly the logits a decode
  * step would, and a sequence's tokens do not depend on which others share its steps: speculation
- * stays lossless against this kernel.
+ * stays lossless against these kernels.
  */
 #define _GNU_SOURCE
 #include <immintrin.h>
