@@ -393,73 +393,93 @@ static void pairs_as_tiles(const uint32_t *x_pairs, int64_t rows, int64_t pairs,
             x_tiles[((m / 16) * groups + kk / 16) * 256 + (kk % 16) * 16 + m % 16] = x_pairs[m * pairs + kk];
 }
 
-/* y[m, 64b : 64b + 64] = x W^T for a dense bf16 or float32 weight (N, K), with AVX-512: four
+/* y[m, n0 : n0 + 4] = x W^T for a dense bf16 or float32 weight (N, K), with AVX-512: four
  * weight rows × up to four rows of x at a time, each dot product one chain over K then one lane
  * sum, so a row's result does not depend on the others. bf16 multiplies x's bf16 pairs. */
-static void dense_block_avx(const Matrix *w, const float *x, const uint32_t *x_pairs, int64_t rows, int64_t block,
-                            float *y, int64_t ldy) {
+static void dense_rows_avx(const Matrix *w, const float *x, const uint32_t *x_pairs, int64_t rows, int64_t n0,
+                           float *y, int64_t ldy) {
     const int64_t k = w->in_features, bf16 = w->kind == BF16;
     const int64_t step = bf16 ? 32 : 16; /* columns per vector */
-    for (int64_t n0 = block * 64; n0 < block * 64 + 64; n0 += 4) {
-        for (int64_t m0 = 0; m0 < rows; m0 += 4) {
-            const int64_t count = rows - m0 < 4 ? rows - m0 : 4;
-            __m512 acc[4][4];
-            for (int m = 0; m < 4; m++)
-                for (int o = 0; o < 4; o++) acc[m][o] = _mm512_setzero_ps();
-            for (int64_t c = 0; c < k; c += step) {
-                __m512 wv[4];
-                for (int o = 0; o < 4; o++) {
-                    const char *row = bf16 ? (const char *)((const uint16_t *)w->weight + (n0 + o) * k + c)
-                                           : (const char *)((const float *)w->weight + (n0 + o) * k + c);
-                    _mm_prefetch(row + PREFETCH_BYTES, _MM_HINT_T0);
-                    wv[o] = _mm512_loadu_ps((const float *)row);
-                }
-                for (int64_t m = 0; m < count; m++) {
-                    if (bf16) {
-                        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x_pairs + (m0 + m) * (k / 2) + c / 2);
-                        for (int o = 0; o < 4; o++) acc[m][o] = _mm512_dpbf16_ps(acc[m][o], (__m512bh)wv[o], xv);
-                    } else {
-                        const __m512 xv = _mm512_loadu_ps(x + (m0 + m) * k + c);
-                        for (int o = 0; o < 4; o++) acc[m][o] = _mm512_fmadd_ps(wv[o], xv, acc[m][o]);
-                    }
-                }
-            }
-            for (int64_t m = 0; m < count; m++)
-                for (int o = 0; o < 4; o++)
-                    y[(m0 + m) * ldy + n0 + o] =
-                        _mm512_reduce_add_ps(acc[m][o]) + (w->bias != NULL ? w->bias[n0 + o] : 0.0f);
-        }
-    }
-}
-
-/* y[m, 64b : 64b + 64] = x W for a float32 weight stored (K, N): per row of x, four vectors of
- * 16 outputs accumulate x[m, k] · W[k, 64b : 64b + 64] over k, in order. */
-static void input_major_block(const Matrix *w, const float *x, int64_t rows, int64_t block, float *y, int64_t ldy) {
-    const int64_t k = w->in_features, n = w->out_features;
-    const float *base = (const float *)w->weight + block * 64;
     for (int64_t m0 = 0; m0 < rows; m0 += 4) {
         const int64_t count = rows - m0 < 4 ? rows - m0 : 4;
         __m512 acc[4][4];
         for (int m = 0; m < 4; m++)
-            for (int j = 0; j < 4; j++) acc[m][j] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < k; c++) {
-            const float *row = base + c * n;
-            if (c + 16 < k) /* one 256-byte run per input row, N floats apart */
-                for (int j = 0; j < 4; j++) _mm_prefetch((const char *)(row + 16 * n + 16 * j), _MM_HINT_T0);
+            for (int o = 0; o < 4; o++) acc[m][o] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < k; c += step) {
             __m512 wv[4];
-            for (int j = 0; j < 4; j++) wv[j] = _mm512_loadu_ps(row + 16 * j);
+            for (int o = 0; o < 4; o++) {
+                const char *row = bf16 ? (const char *)((const uint16_t *)w->weight + (n0 + o) * k + c)
+                                       : (const char *)((const float *)w->weight + (n0 + o) * k + c);
+                _mm_prefetch(row + PREFETCH_BYTES, _MM_HINT_T0);
+                wv[o] = _mm512_loadu_ps((const float *)row);
+            }
             for (int64_t m = 0; m < count; m++) {
-                const __m512 xv = _mm512_set1_ps(x[(m0 + m) * k + c]);
-                for (int j = 0; j < 4; j++) acc[m][j] = _mm512_fmadd_ps(wv[j], xv, acc[m][j]);
+                if (bf16) {
+                    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x_pairs + (m0 + m) * (k / 2) + c / 2);
+                    for (int o = 0; o < 4; o++) acc[m][o] = _mm512_dpbf16_ps(acc[m][o], (__m512bh)wv[o], xv);
+                } else {
+                    const __m512 xv = _mm512_loadu_ps(x + (m0 + m) * k + c);
+                    for (int o = 0; o < 4; o++) acc[m][o] = _mm512_fmadd_ps(wv[o], xv, acc[m][o]);
+                }
             }
         }
         for (int64_t m = 0; m < count; m++)
-            for (int j = 0; j < 4; j++) {
-                __m512 v = acc[m][j];
-                if (w->bias != NULL) v = _mm512_add_ps(v, _mm512_loadu_ps(w->bias + block * 64 + 16 * j));
-                _mm512_storeu_ps(y + (m0 + m) * ldy + block * 64 + 16 * j, v);
-            }
+            for (int o = 0; o < 4; o++)
+                y[(m0 + m) * ldy + n0 + o] =
+                    _mm512_reduce_add_ps(acc[m][o]) + (w->bias != NULL ? w->bias[n0 + o] : 0.0f);
     }
+}
+
+/* y = x W + b for a float32 weight stored (K, N). The input rows of W are split between the
+ * threads, so each streams whole rows (a split by output columns reads 256-byte runs N floats
+ * apart): thread t sums its k range, in order and eight rows of W at a time, into its partial
+ * (thread 0's is y itself), and the partials are added in thread order. */
+static void input_major_matmul(const Matrix *w, const float *x, int64_t rows, float *y, int threads) {
+    const int64_t k = w->in_features, n = w->out_features;
+    float *partials = threads > 1 ? malloc(sizeof(float) * (size_t)((threads - 1) * rows * n)) : NULL;
+    if (threads > 1 && partials == NULL) threads = 1; /* no memory for partials: one thread */
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t t = omp_get_thread_num(), count = omp_get_num_threads();
+        const int64_t first = k * t / count, last = k * (t + 1) / count;
+        float *part = t == 0 ? y : partials + (t - 1) * rows * n;
+        for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+            const int64_t height = rows - m0 < 4 ? rows - m0 : 4;
+            for (int64_t c0 = first; c0 < last; c0 += 8) {
+                const int64_t c1 = c0 + 8 < last ? c0 + 8 : last;
+                for (int64_t n0 = 0; n0 < n; n0 += 64) {
+                    __m512 acc[4][4];
+                    for (int64_t m = 0; m < height; m++)
+                        for (int j = 0; j < 4; j++)
+                            acc[m][j] = c0 == first ? _mm512_setzero_ps()
+                                                    : _mm512_loadu_ps(part + (m0 + m) * n + n0 + 16 * j);
+                    for (int64_t c = c0; c < c1; c++) {
+                        const float *row = (const float *)w->weight + c * n + n0;
+                        _mm_prefetch((const char *)(row + 64 + PREFETCH_BYTES / 4), _MM_HINT_T0);
+                        __m512 wv[4];
+                        for (int j = 0; j < 4; j++) wv[j] = _mm512_loadu_ps(row + 16 * j);
+                        for (int64_t m = 0; m < height; m++) {
+                            const __m512 xv = _mm512_set1_ps(x[(m0 + m) * k + c]);
+                            for (int j = 0; j < 4; j++) acc[m][j] = _mm512_fmadd_ps(wv[j], xv, acc[m][j]);
+                        }
+                    }
+                    for (int64_t m = 0; m < height; m++)
+                        for (int j = 0; j < 4; j++) _mm512_storeu_ps(part + (m0 + m) * n + n0 + 16 * j, acc[m][j]);
+                }
+            }
+            if (first == last) /* more threads than rows of W: an empty partial */
+                for (int64_t m = 0; m < height; m++) memset(part + (m0 + m) * n, 0, sizeof(float) * (size_t)n);
+        }
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < rows * n; i += 16) {
+            __m512 v = _mm512_loadu_ps(y + i);
+            for (int64_t p = 0; p + 1 < count; p++) v = _mm512_add_ps(v, _mm512_loadu_ps(partials + p * rows * n + i));
+            if (w->bias != NULL) v = _mm512_add_ps(v, _mm512_loadu_ps(w->bias + i % n));
+            _mm512_storeu_ps(y + i, v);
+        }
+    }
+    free(partials);
 }
 
 void polylane_use_amx(int on) {
@@ -521,11 +541,14 @@ static void matmul(const Matrix *w, const float *x, int64_t rows, float *y, cons
     }
 #endif
     (void)amx;
+    if (w->kind == FP32_INPUT_MAJOR) {
+        input_major_matmul(w, x, rows, y, threads);
+    } else if (w->kind == INT4) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        if (w->kind == INT4) int4_block(w, x_pairs, scratch->sums, rows, b, y, w->out_features);
-        else if (w->kind == FP32_INPUT_MAJOR) input_major_block(w, x, rows, b, y, w->out_features);
-        else dense_block_avx(w, x, x_pairs, rows, b, y, w->out_features);
+        for (int64_t b = 0; b < blocks; b++) int4_block(w, x_pairs, scratch->sums, rows, b, y, w->out_features);
+    } else { /* four output rows at a time: 576 rows are 144 even shares, not 9 blocks of 64 */
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t n0 = 0; n0 < w->out_features; n0 += 4) dense_rows_avx(w, x, x_pairs, rows, n0, y, w->out_features);
     }
 }
 
