@@ -6,8 +6,8 @@ Run:  python bench/native_step.py [--model smollm2-135m-instruct] [--dtype int4|
 Loads the model and times the bare forward (no engine) of a decode step — --batch sequences, one
 new token each, after --context tokens — median of --steps steps, for: the native stack with its
 AMX kernel (where the CPU has AMX), with its AVX512-BF16 kernel, and the torch path
-(`module.native_stack` set aside), all on the same KV cache. Also a prefill forward of 127 and 383
-tokens where the native stack takes that many. Prints a table and, last, one JSON line.
+(`module.native_stack` set aside), all on the same KV cache. Also a prefill forward of --prefill
+tokens (127 and 383) where the native stack takes that many. Prints a table and, last, one JSON line.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs="+", default=[64, 400])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--prefill", type=int, nargs="*", default=[127, 383], help="prompt sizes to time")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(args.model, args.dtype, quiet=True)
@@ -82,7 +83,7 @@ def main() -> None:
             for system in systems:
                 seconds = run(system, time_step, module, cache, chunks, args.steps)
                 results[system][f"decode_b{batch_size}_c{context}_ms"] = seconds * 1e3
-    for tokens in [n for n in (127, 383) if n < stack.max_tokens]:
+    for tokens in [n for n in args.prefill if n < stack.max_tokens]:
         table = tuple(range(-(-tokens // BLOCK)))
         cache = PagedKVCache(module.config, len(table), BLOCK, model.kv_dtype)
         chunk = [SequenceChunk(tuple(100 + i for i in range(tokens)), 0, table)]

@@ -670,6 +670,11 @@ static inline __attribute__((always_inline)) void attention_impl(const Model *mo
                     const __mmask16 lanes = span == 16 ? 0xffff : (__mmask16)((1u << span) - 1);
                     const __mmask16 seen = _mm_mask_cmpneq_epi8_mask(
                         lanes, _mm_maskz_loadu_epi8(lanes, visible + c0), _mm_setzero_si128());
+                    if (seen == 0) { /* none visible (a causal prompt's later keys): no products */
+                        for (int64_t g = 0; g < group; g++)
+                            _mm512_mask_storeu_ps(scores + g * context + c0, lanes, _mm512_set1_ps(-INFINITY));
+                        continue;
+                    }
                     if (c0 + 16 < context)
                         for (int64_t c = c0 + 16; c < c0 + 32 && c < context; c++)
                             _mm_prefetch(keys + (slots[c] * kv_width + kvh * dim) * element, _MM_HINT_T0);

@@ -31,17 +31,16 @@ from polylane.runtime.native.build import load_library
 if TYPE_CHECKING:
     from polylane.runtime.models.base import DecoderModel
 
-# Batches of this many tokens or more run on torch. int4 and bf16 weights go through AMX tiles
-# (or bf16 dot products) up to here; the C attention is a loop per token, quadratic in a long
-# prompt (SmolLM2 int4 prefill, tokens/s native vs torch: 1,736 vs 669 at 127 tokens, 1,199 vs 866
-# at 383: `python bench/native_step.py`). Float32 weights have no matrix unit: from a few rows on,
-# MKL's GEMMs win, so a model with any float32 projection sends batches of FP32_MAX_TOKENS or more
-# to torch.
-MAX_TOKENS = 384
-FP32_MAX_TOKENS = 8
+# Batches of this many tokens or more run on torch, by the weights' kind (the smallest over a
+# model's projections): from there torch's GEMMs win (`python bench/native_step.py --dtype D
+# --prefill ...`, SmolLM2, tokens/s native vs torch). int4: 1,540 vs 624 at 127 tokens, 1,169 vs
+# 1,117 at 383 (the C attention is a loop per token, quadratic in a long prompt). bf16: 1,656 vs
+# 1,295 at 64, 1,670 vs 1,817 at 127 (oneDNN's AMX GEMMs). float32 has no matrix unit: from a
+# few rows on MKL's GEMMs win.
+INT4, BF16, FP32, FP32_INPUT_MAJOR = 0, 1, 2, 3
+MAX_TOKENS = {INT4: 384, BF16: 96, FP32: 8, FP32_INPUT_MAJOR: 8}
 # The C attention holds a head's output in registers, 16 floats each.
 MAX_HEAD_DIM = 128
-INT4, BF16, FP32, FP32_INPUT_MAJOR = 0, 1, 2, 3
 
 _pointer = ctypes.c_void_p
 
@@ -241,7 +240,7 @@ class NativeStack:
         self._keep.append(final_norm)
         lm_head = _output_matrix(model, self._keep)
         kinds.add(lm_head.kind)
-        self.max_tokens = FP32_MAX_TOKENS if kinds & {FP32, FP32_INPUT_MAJOR} else MAX_TOKENS
+        self.max_tokens = min(MAX_TOKENS[kind] for kind in kinds)
         self._layers = layers
         self._model = Model(
             num_layers=config.num_layers,
