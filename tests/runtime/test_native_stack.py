@@ -1,8 +1,9 @@
 """The native stack (runtime/native): what the C kernels compute, and when they run.
 
 - The matrix kernels (AMX tiles and AVX512-BF16 alike) multiply bf16-rounded activations by the
-  weight the packed int4 stores ((q - 8) · scale + zero, `QuantizedProjection.dequantized_float`)
-  or by a bf16 weight, and float32 activations by a float32 weight in either layout, for any
+  weight the packed int4 stores ((q - 8) · scale + zero, `QuantizedProjection.dequantized_float`;
+  from 128 rows on AMX, that weight rounded to bf16, `dequantized_bf16`) or by a bf16 weight,
+  and float32 activations by a float32 weight in either layout, for any
   number of rows, bias included.
 - Batch invariance: a row's result is bit for bit the same alone or among others, in the kernel
   and through the whole stack — a verify pass gives each token the logits its decode step gives,
@@ -62,11 +63,13 @@ def _projection(out_features: int, in_features: int, bias: bool, seed: int = 0) 
     return QuantizedProjection(weight, bias_values, bits=4)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 40, 130])
 def test_matmul_multiplies_by_the_packed_weight(kernel, rows):
     projection = _projection(192, 160, bias=True)  # three 64-row blocks, five 32-column groups
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
-    weight = projection.dequantized_float().double()
+    # from 128 rows (a prompt) the AMX kernel multiplies by the weight rounded to bf16, once
+    prompt_path = kernel == "amx" and rows >= 128
+    weight = (projection.dequantized_bf16() if prompt_path else projection.dequantized_float()).double()
     expected = x.to(torch.bfloat16).double() @ weight.t() + projection.bias.double()
     got = native.matmul(projection, x).double()
     error = (got - expected).abs().max().item()

@@ -23,7 +23,8 @@
  * Every token's arithmetic is the same whatever else is in the batch (rows never mix, and each
  * row's sums run in one fixed order), so a verify pass gives a token exactly the logits a decode
  * step would, and a sequence's tokens do not depend on which others share its steps: speculation
- * stays lossless against these kernels.
+ * stays lossless against these kernels. The one exception is a long prompt (PREFILL_ROWS tokens
+ * or more, no verify rows in the forward): its int4 products use bf16-rounded weights.
  */
 #define _GNU_SOURCE
 #include <immintrin.h>
@@ -37,6 +38,9 @@
 /* How far ahead of the column pair being multiplied the weight stream is prefetched: without it
  * one-row matmuls read memory at ~10 GB/s of the ~23 two cores can stream (SmolLM2 decode step
  * 6.9 -> 4.3 ms; 1 KiB ahead gave 5.6 ms, 8 KiB 4.5 ms). */
+/* In a forward of this many tokens that is a prompt (no verify pass: Step.prompt), int4 products
+ * use bf16-dequantised weight tiles on AMX (int4_block_amx_prefill). */
+#define PREFILL_ROWS 128
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
 #endif
@@ -77,6 +81,7 @@ typedef struct {
     int64_t num_logits;      /* R */
     const int64_t *logit_rows; /* (R,) */
     int threads;
+    int prompt; /* at most one logit row per sequence: no verify pass (see PREFILL_ROWS) */
 } Step;
 
 int polylane_supported(void) {
@@ -326,6 +331,91 @@ static void int4_block_amx(const Matrix *w, const uint32_t *x_pairs, const float
             for (int64_t i = 0; i < 64; i++) y[m * ldy + block * 64 + i] += w->bias[block * 64 + i];
 }
 
+/* Tiles 0-3: x's rows × 16 outputs each; 4: x's rows × 16 column pairs; 5-7: 16 pairs × 16 outputs. */
+static void configure_prefill_tiles(int64_t rows) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        config.colsb[i] = 64;
+        config.rows[i] = (uint8_t)(i < 5 ? rows : 16);
+    }
+    _tile_loadconfig(&config);
+}
+
+/* The int4 product for many rows (a prompt): the block's weights are dequantised once into bf16
+ * tiles, w = (q - 8) · scale + zero rounded to bf16 (the weight torch's dequantised path uses),
+ * so each 16-row chunk of x accumulates over all of K in the tiles with no per-group fix-up.
+ * `tiles` holds K/32 × 4 tiles of 16 × 16 pairs. Rounding the weights makes these sums differ
+ * slightly from int4_block_amx's: only batches of PREFILL_ROWS or more take this path. */
+static void int4_block_amx_prefill(const Matrix *w, const uint32_t *x_pairs, int64_t rows, int64_t block,
+                                   float *y, int64_t ldy, uint32_t *tiles) {
+    const int64_t k = w->in_features, n = w->out_features, pairs = k / 2, groups = k / GROUP;
+    const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512 minus_136 = _mm512_set1_ps(-136.0f);
+    __m512i pick[2];
+    for (int r = 0; r < 2; r++) {
+        uint8_t table[64];
+        for (int i = 0; i < 16; i++) {
+            table[4 * i + 0] = (uint8_t)(16 * r + i);
+            table[4 * i + 1] = 64;
+            table[4 * i + 2] = (uint8_t)(32 + 16 * r + i);
+            table[4 * i + 3] = 64;
+        }
+        pick[r] = _mm512_loadu_si512(table);
+    }
+    const uint8_t *base = (const uint8_t *)w->weight + block * pairs * 64;
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 scale[4], offset[4];
+        for (int j = 0; j < 4; j++) {
+            const __m512i packed = _mm512_loadu_si512(w->scales + g * n + block * 64 + 16 * j);
+            scale[j] = _mm512_castsi512_ps(_mm512_slli_epi32(packed, 16));
+            offset[j] = _mm512_fmadd_ps(scale[j], minus_136,
+                                        _mm512_castsi512_ps(_mm512_and_si512(packed, high_half)));
+        }
+        for (int64_t i = 0; i < GROUP / 2; i++) {
+            __m512bh unpacked[4];
+            unpack_pair(base + (g * (GROUP / 2) + i) * 64, pick, unpacked);
+            for (int j = 0; j < 4; j++) {
+                const __m512i lanes = (__m512i)unpacked[j];
+                const __m512 even = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(lanes, 16)), scale[j], offset[j]);
+                const __m512 odd = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(lanes, high_half)), scale[j], offset[j]);
+                const __m512i low = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even));
+                const __m512i high = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd)), 16);
+                _mm512_store_si512(tiles + ((g * 4 + j) * 16 + i) * 16, _mm512_or_si512(low, high));
+            }
+        }
+    }
+    int64_t configured = -1;
+    for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+        const int64_t count = rows - m0 < 16 ? rows - m0 : 16;
+        if (count != configured) configure_prefill_tiles(configured = count);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t g = 0; g < groups; g++) {
+            _tile_loadd(4, x_pairs + m0 * pairs + g * (GROUP / 2), pairs * 4);
+            _tile_loadd(5, tiles + (g * 4 + 0) * 256, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, tiles + (g * 4 + 1) * 256, 64);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(7, tiles + (g * 4 + 2) * 256, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, tiles + (g * 4 + 3) * 256, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        float *out = y + m0 * ldy + block * 64;
+        _tile_stored(0, out, ldy * 4);
+        _tile_stored(1, out + 16, ldy * 4);
+        _tile_stored(2, out + 32, ldy * 4);
+        _tile_stored(3, out + 48, ldy * 4);
+    }
+    if (w->bias != NULL)
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t i = 0; i < 64; i++) y[m * ldy + block * 64 + i] += w->bias[block * 64 + i];
+}
+
 /* Tiles 0-3: products of four 16-row slices of a 64-row weight block with up to 16 rows of x
  * (16 weight rows × the x rows); 4-5: weight rows (16 × 32 columns); 6: x (16 column pairs × rows). */
 static void configure_dense_tiles(int64_t rows) {
@@ -519,7 +609,8 @@ static int amx_on(void) {
 }
 
 /* y (rows, N) = x (rows, K) W^T + b, float32 in and out, for any kind of weight. */
-static void matmul(const Matrix *w, const float *x, int64_t rows, float *y, const Scratch *scratch, int threads) {
+static void matmul(const Matrix *w, const float *x, int64_t rows, float *y, const Scratch *scratch, int threads,
+                   int prompt) {
     const int64_t blocks = w->out_features / 64;
     const uint32_t *x_pairs = (const uint32_t *)scratch->x16;
     const int dense32 = w->kind == FP32 || w->kind == FP32_INPUT_MAJOR;
@@ -528,13 +619,19 @@ static void matmul(const Matrix *w, const float *x, int64_t rows, float *y, cons
 #ifdef HAVE_AMX
     if (amx && !dense32) {
         if (w->kind == BF16) pairs_as_tiles(x_pairs, rows, w->in_features / 2, scratch->x_tiles);
+        const int prefill = prompt && w->kind == INT4 && rows >= PREFILL_ROWS;
 #pragma omp parallel num_threads(threads)
         {
+            uint32_t *tiles = prefill ? aligned_alloc(64, sizeof(uint32_t) * (size_t)(w->in_features / GROUP * 1024))
+                                      : NULL;
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++) {
-                if (w->kind == INT4) int4_block_amx(w, x_pairs, scratch->sums, rows, b, y, w->out_features);
+                if (w->kind == INT4 && tiles != NULL)
+                    int4_block_amx_prefill(w, x_pairs, rows, b, y, w->out_features, tiles);
+                else if (w->kind == INT4) int4_block_amx(w, x_pairs, scratch->sums, rows, b, y, w->out_features);
                 else bf16_block_amx(w, scratch->x_tiles, rows, b, y, w->out_features);
             }
+            free(tiles);
             _tile_release();
         }
         return;
@@ -556,7 +653,7 @@ static void matmul(const Matrix *w, const float *x, int64_t rows, float *y, cons
 int polylane_matmul(const Matrix *w, const float *x, int64_t rows, float *y, int threads) {
     Scratch scratch;
     int status = scratch_alloc(&scratch, rows, w->in_features);
-    if (status == 0) matmul(w, x, rows, y, &scratch, threads);
+    if (status == 0) matmul(w, x, rows, y, &scratch, threads, 1);
     scratch_free(&scratch);
     return status;
 }
@@ -657,7 +754,7 @@ static inline __attribute__((always_inline)) void attention_impl(const Model *mo
 #pragma omp parallel num_threads(step->threads)
     {
         float *scores = scratch + (int64_t)omp_get_thread_num() * group * context;
-#pragma omp for schedule(static) collapse(2)
+#pragma omp for schedule(static, 1) collapse(2) /* round robin: a causal prompt's later tokens see more keys */
         for (int64_t t = 0; t < step->tokens; t++) {
             for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
                 const float *q = qkv + t * width + kvh * group * dim;
@@ -772,7 +869,7 @@ int polylane_forward(const Model *model, const Step *step, float *hidden, float 
     for (int64_t l = 0; l < model->num_layers; l++) {
         const Layer *layer = &model->layers[l];
         rms_norm(hidden, layer->input_norm, t, e, model->eps, normed);
-        matmul(&layer->qkv, normed, t, wide, &scratch, step->threads);
+        matmul(&layer->qkv, normed, t, wide, &scratch, step->threads, step->prompt);
         for (int64_t i = 0; i < t; i++) {
             float *row = wide + i * qkv_width;
             const float *rotation = step->rotations + i * dim;
@@ -787,18 +884,18 @@ int polylane_forward(const Model *model, const Step *step, float *hidden, float 
             }
         }
         attention(model, layer, step, wide, narrow, scores);
-        matmul(&layer->o, narrow, t, residual, &scratch, step->threads);
+        matmul(&layer->o, narrow, t, residual, &scratch, step->threads, step->prompt);
         for (int64_t i = 0; i < t * e; i++) hidden[i] += residual[i];
         rms_norm(hidden, layer->post_norm, t, e, model->eps, normed);
-        matmul(&layer->gate_up, normed, t, wide, &scratch, step->threads);
+        matmul(&layer->gate_up, normed, t, wide, &scratch, step->threads, step->prompt);
         for (int64_t i = 0; i < t; i++)
             gated_silu(wide + i * 2 * inter, wide + i * 2 * inter + inter, inter, narrow + i * inter);
-        matmul(&layer->down, narrow, t, residual, &scratch, step->threads);
+        matmul(&layer->down, narrow, t, residual, &scratch, step->threads, step->prompt);
         for (int64_t i = 0; i < t * e; i++) hidden[i] += residual[i];
     }
     for (int64_t r = 0; r < step->num_logits; r++)
         rms_norm(hidden + step->logit_rows[r] * e, model->final_norm, 1, e, model->eps, normed + r * e);
-    matmul(&model->lm_head, normed, step->num_logits, logits, &scratch, step->threads);
+    matmul(&model->lm_head, normed, step->num_logits, logits, &scratch, step->threads, step->prompt);
 done:
     free(normed);
     free(wide);

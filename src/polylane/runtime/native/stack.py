@@ -32,13 +32,13 @@ if TYPE_CHECKING:
     from polylane.runtime.models.base import DecoderModel
 
 # Batches of this many tokens or more run on torch, by the weights' kind (the smallest over a
-# model's projections): from there torch's GEMMs win (`python bench/native_step.py --dtype D
-# --prefill ...`, SmolLM2, tokens/s native vs torch). int4: 1,540 vs 624 at 127 tokens, 1,169 vs
-# 1,117 at 383 (the C attention is a loop per token, quadratic in a long prompt). bf16: 1,656 vs
-# 1,295 at 64, 1,670 vs 1,817 at 127 (oneDNN's AMX GEMMs). float32 has no matrix unit: from a
-# few rows on MKL's GEMMs win.
+# model's projections): from there torch wins (SmolLM2 prefill, tokens/s native vs torch). int4:
+# 1,518 vs 943 at 512 tokens, 952 vs 1,331 at 1,024 (the C attention is a loop per query token,
+# quadratic in a long prompt; a scratch timing). bf16: 1,656 vs 1,295 at 64, 1,670 vs 1,817 at
+# 127 (`python bench/native_step.py --dtype bf16 --prefill 64 127`, oneDNN's AMX GEMMs). float32
+# has no matrix unit: from a few rows on MKL's GEMMs win.
 INT4, BF16, FP32, FP32_INPUT_MAJOR = 0, 1, 2, 3
-MAX_TOKENS = {INT4: 384, BF16: 96, FP32: 8, FP32_INPUT_MAJOR: 8}
+MAX_TOKENS = {INT4: 640, BF16: 96, FP32: 8, FP32_INPUT_MAJOR: 8}
 # The C attention holds a head's output in registers, 16 floats each.
 MAX_HEAD_DIM = 128
 
@@ -99,6 +99,7 @@ class Step(ctypes.Structure):
         ("num_logits", ctypes.c_int64),
         ("logit_rows", _pointer),
         ("threads", ctypes.c_int),
+        ("prompt", ctypes.c_int),
     ]
 
 
@@ -313,6 +314,8 @@ class NativeStack:
             num_logits=logit_rows.shape[0],
             logit_rows=logit_rows.data_ptr(),
             threads=torch.get_num_threads(),
+            # at most one logit row per sequence: a prompt, not a verify pass (decoder.c PREFILL_ROWS)
+            prompt=int(logit_rows.shape[0] <= batch.layouts[GLOBAL].batch_size),
         )
         status = self._lib.polylane_forward(
             ctypes.byref(self._model), ctypes.byref(step), hidden.data_ptr(), logits.data_ptr()
