@@ -123,6 +123,20 @@ def test_each_row_is_the_same_alone_or_in_a_batch(kernel, dtype):
         )
 
 
+@needs_native
+def test_a_long_prompt_chunk_without_logits_runs_natively(load_real_model):
+    # a prompt's first chunk asks for no logits: every matmul but the output projection runs
+    model = load_real_model(SMOL, "int4")
+    module = _native(model)
+    cache = PagedKVCache(module.config, 40, 16, model.kv_dtype)
+    table = tuple(range(40))
+    ids = tuple(100 + i % 500 for i in range(600))
+    none = _forward(module, cache, [SequenceChunk(ids[:512], 0, table, logits="none")])
+    assert none.shape == (0, module.config.vocab_size)
+    last = _forward(module, cache, [SequenceChunk(ids[512:], 512, table)])
+    assert last.shape == (1, module.config.vocab_size) and torch.isfinite(last).all()
+
+
 def _native(model):
     if model.module.native_stack is None:
         pytest.skip("the native int4 stack does not run on this machine")

@@ -611,6 +611,7 @@ static int amx_on(void) {
 /* y (rows, N) = x (rows, K) W^T + b, float32 in and out, for any kind of weight. */
 static void matmul(const Matrix *w, const float *x, int64_t rows, float *y, const Scratch *scratch, int threads,
                    int prompt) {
+    if (rows == 0) return; /* e.g. a prompt chunk that needs no logits: no tile has zero rows */
     const int64_t blocks = w->out_features / 64;
     const uint32_t *x_pairs = (const uint32_t *)scratch->x16;
     const int dense32 = w->kind == FP32 || w->kind == FP32_INPUT_MAJOR;
