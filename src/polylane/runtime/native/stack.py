@@ -33,10 +33,10 @@ if TYPE_CHECKING:
 
 # Batches of this many tokens or more run on torch, by the weights' kind (the smallest over a
 # model's projections): from there torch wins (SmolLM2 prefill, tokens/s native vs torch). int4:
-# 1,518 vs 943 at 512 tokens, 952 vs 1,331 at 1,024 (the C attention is a loop per query token,
-# quadratic in a long prompt; a scratch timing). bf16: 1,656 vs 1,295 at 64, 1,670 vs 1,817 at
-# 127 (`python bench/native_step.py --dtype bf16 --prefill 64 127`, oneDNN's AMX GEMMs). float32
-# has no matrix unit: from a few rows on MKL's GEMMs win.
+# 1,619 vs 1,276 at 511 tokens (`bench/native_step.py --prefill 511`), 952 vs 1,331 at 1,024 (a
+# scratch timing; the C attention is a loop per query token, quadratic in a long prompt). bf16:
+# 1,656 vs 1,295 at 64, 1,670 vs 1,817 at 127 (`python bench/native_step.py --dtype bf16 --prefill
+# 64 127`, oneDNN's AMX GEMMs). float32 has no matrix unit: from a few rows MKL's GEMMs win.
 INT4, BF16, FP32, FP32_INPUT_MAJOR = 0, 1, 2, 3
 MAX_TOKENS = {INT4: 640, BF16: 96, FP32: 8, FP32_INPUT_MAJOR: 8}
 # The C attention holds a head's output in registers, 16 floats each.
