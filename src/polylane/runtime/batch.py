@@ -16,6 +16,7 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from polylane.runtime.model_config import GLOBAL, SLIDING, ModelConfig
@@ -207,29 +208,30 @@ def _layout(
     )
 
 
-def _context_slots(chunks: Sequence[SequenceChunk], block_size: int) -> list[list[int]]:
-    """Cache slot of every logical index of every sequence's context."""
-    return [
-        [
-            chunk.block_table[index // block_size] * block_size + index % block_size
-            for index in range(chunk.context_len)
-        ]
-        for chunk in chunks
-    ]
+def _context_slots(chunks: Sequence[SequenceChunk], block_size: int) -> list[np.ndarray]:
+    """Cache slot of every logical index of every sequence's context (vectorised: a decode step of
+    8 sequences at 400 tokens would otherwise loop 3,200 times in Python)."""
+    slots = []
+    for chunk in chunks:
+        index = np.arange(chunk.context_len, dtype=np.int64)
+        table = np.asarray(chunk.block_table[: -(-chunk.context_len // block_size)], dtype=np.int64)
+        slots.append(table[index // block_size] * block_size + index % block_size)
+    return slots
 
 
 def _context_source(
-    slots: list[list[int]], longest_context: int, device: torch.device | str
+    slots: list[np.ndarray], longest_context: int, device: torch.device | str
 ) -> tuple[tuple[int, int] | None, torch.Tensor | None]:
     """A slice when one sequence's slots are consecutive, else (B * C,) rows to gather.
 
     Shorter contexts are padded with their first slot; the mask hides the padding.
     """
     if len(slots) == 1:
-        first = slots[0][0]
-        if slots[0][-1] - first == len(slots[0]) - 1 and slots[0] == list(
-            range(first, first + len(slots[0]))
-        ):
-            return (first, first + len(slots[0])), None
-    rows = [row + [row[0]] * (longest_context - len(row)) for row in slots]
-    return None, torch.tensor(rows, dtype=torch.long, device=device).view(-1)
+        row = slots[0]
+        if row[-1] - row[0] == len(row) - 1 and (len(row) == 1 or bool((np.diff(row) == 1).all())):
+            return (int(row[0]), int(row[0]) + len(row)), None
+    rows = np.empty((len(slots), longest_context), dtype=np.int64)
+    for b, row in enumerate(slots):
+        rows[b, : len(row)] = row
+        rows[b, len(row) :] = row[0]
+    return None, torch.from_numpy(rows.reshape(-1)).to(device)
