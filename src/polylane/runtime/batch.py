@@ -155,6 +155,21 @@ def _layout(
         chunk = chunks[0]
         if chunk.num_new == 1:  # one decode token sees everything
             return AttentionLayout(1, longest_context, None, None, kv_range, kv_index, None, False)
+    if longest_chunk == 1 and fits_window:
+        # A batch of decode tokens (the lane's usual step): each sees its own context, no more.
+        context_len = torch.tensor([c.context_len for c in chunks])
+        mask = torch.arange(longest_context)[None, :] < context_len[:, None]  # (B, C)
+        rows = torch.arange(batch, dtype=torch.long)
+        return AttentionLayout(
+            batch_size=batch,
+            context_len=longest_context,
+            query_index=rows[:, None].to(device),
+            out_index=rows.to(device),
+            kv_range=kv_range,
+            kv_index=kv_index,
+            mask=mask[:, None, None].to(device),
+            is_causal=False,
+        )
 
     # General case: padded view with an explicit mask.
     num_cached = torch.tensor([c.num_cached for c in chunks])
