@@ -161,25 +161,48 @@ static inline __attribute__((always_inline)) void group_dot(const uint8_t *base,
     }
 }
 
+/* y[m, 64b : 64b + 64] += b[64b : 64b + 64] for every row m (when the matrix has a bias). */
+static void add_bias(const Matrix *w, int64_t rows, int64_t block, float *y, int64_t ldy) {
+    if (w->bias == NULL) return;
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t i = 0; i < 64; i++) y[m * ldy + block * 64 + i] += w->bias[block * 64 + i];
+}
+
+/* The vpermt2b indices of unpack_pair: 32-bit lane i of output r holds row 16r + i's nibbles of
+ * columns 2kk and 2kk + 1 (bytes i and 32 + i of the nibble vector), each followed by 0x43. */
+static void pick_tables(__m512i pick[2]) {
+    for (int r = 0; r < 2; r++) {
+        uint8_t table[64];
+        for (int i = 0; i < 16; i++) {
+            table[4 * i + 0] = (uint8_t)(16 * r + i);
+            table[4 * i + 1] = 64;
+            table[4 * i + 2] = (uint8_t)(32 + 16 * r + i);
+            table[4 * i + 3] = 64;
+        }
+        pick[r] = _mm512_loadu_si512(table);
+    }
+}
+
+/* Group g's scales of the four 16-row slices of a 64-row block, and offset = zero - 136 scale:
+ * (q - 8) · scale + zero summed against x is scale · sum x (q + 128) + offset · sum x. */
+static inline __attribute__((always_inline)) void group_scales(const Matrix *w, int64_t g, int64_t block,
+                                                               __m512 scale[4], __m512 offset[4]) {
+    for (int j = 0; j < 4; j++) {
+        const __m512i packed = _mm512_loadu_si512(w->scales + g * w->out_features + block * 64 + 16 * j);
+        scale[j] = _mm512_castsi512_ps(_mm512_slli_epi32(packed, 16));
+        const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(packed, _mm512_set1_epi32((int)0xffff0000u)));
+        offset[j] = _mm512_fmadd_ps(scale[j], _mm512_set1_ps(-136.0f), zero);
+    }
+}
+
 /* y[m, 64b : 64b + 64] for every row m of x, one block of 64 output rows, four rows of x at a
  * time. A group's dot product is sum x (q + 128); the (q - 8) * scale + zero form is restored once
  * per group: scale * acc + (zero - 136 scale) * sum x. */
 static void int4_block(const Matrix *w, const uint32_t *x_pairs, const float *group_sums,
                        int64_t rows, int64_t block, float *y, int64_t ldy) {
     const int64_t k = w->in_features, n = w->out_features, pairs = k / 2, groups = k / GROUP;
-    const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
-    const __m512 minus_136 = _mm512_set1_ps(-136.0f);
     __m512i pick[2];
-    for (int r = 0; r < 2; r++) {
-        uint8_t table[64];
-        for (int i = 0; i < 16; i++) {
-            table[4 * i + 0] = (uint8_t)(16 * r + i);      /* column 2kk of this row */
-            table[4 * i + 1] = 64;                         /* 0x43 */
-            table[4 * i + 2] = (uint8_t)(32 + 16 * r + i); /* column 2kk + 1 */
-            table[4 * i + 3] = 64;
-        }
-        pick[r] = _mm512_loadu_si512(table);
-    }
+    pick_tables(pick);
     const uint8_t *base = (const uint8_t *)w->weight + block * pairs * 64;
     for (int64_t m0 = 0; m0 < rows; m0 += 4) {
         const int64_t count = rows - m0 < 4 ? rows - m0 : 4;
@@ -196,23 +219,17 @@ static void int4_block(const Matrix *w, const uint32_t *x_pairs, const float *gr
             else if (count == 2) group_dot(base, x, pairs, first, 2, pick, acc);
             else if (count == 3) group_dot(base, x, pairs, first, 3, pick, acc);
             else group_dot(base, x, pairs, first, 4, pick, acc);
-            const uint32_t *sz = w->scales + g * n + block * 64;
-            for (int j = 0; j < 4; j++) {
-                const __m512i packed = _mm512_loadu_si512(sz + 16 * j);
-                const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(packed, 16));
-                const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(packed, high_half));
-                const __m512 offset = _mm512_fmadd_ps(scale, minus_136, zero);
+            __m512 scale[4], offset[4];
+            group_scales(w, g, block, scale, offset);
+            for (int j = 0; j < 4; j++)
                 for (int64_t m = 0; m < count; m++) {
                     float *o = out + m * ldy + 16 * j;
                     const __m512 sum_x = _mm512_set1_ps(group_sums[(m0 + m) * groups + g]);
-                    const __m512 v = _mm512_fmadd_ps(scale, acc[m][j], _mm512_loadu_ps(o));
-                    _mm512_storeu_ps(o, _mm512_fmadd_ps(offset, sum_x, v));
+                    const __m512 v = _mm512_fmadd_ps(scale[j], acc[m][j], _mm512_loadu_ps(o));
+                    _mm512_storeu_ps(o, _mm512_fmadd_ps(offset[j], sum_x, v));
                 }
-            }
         }
-        if (w->bias != NULL)
-            for (int64_t m = 0; m < count; m++)
-                for (int64_t i = 0; i < 64; i++) out[m * ldy + i] += w->bias[block * 64 + i];
+        add_bias(w, count, block, y + m0 * ldy, ldy);
     }
 }
 
@@ -237,7 +254,8 @@ typedef struct {
 } TileConfig;
 
 /* Tiles 0-3: the four 16-row output slices of a 64-row block (rows of x × 16 floats); tile 4: a
- * group of x (rows × 16 column pairs); tiles 5-7: unpacked weights (16 column pairs × 16 rows). */
+ * group of x (rows × 16 column pairs); tiles 5-7: unpacked weights (16 column pairs × 16 rows).
+ * The int4 kernels' layout, per group (int4_block_amx) or over all of K (the prompt kernel). */
 static void configure_tiles(int64_t rows) {
     TileConfig config;
     memset(&config, 0, sizeof config);
@@ -254,19 +272,8 @@ static void configure_tiles(int64_t rows) {
 static void int4_block_amx(const Matrix *w, const uint32_t *x_pairs, const float *group_sums,
                            int64_t rows, int64_t block, float *y, int64_t ldy) {
     const int64_t k = w->in_features, n = w->out_features, pairs = k / 2, groups = k / GROUP;
-    const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
-    const __m512 minus_136 = _mm512_set1_ps(-136.0f);
     __m512i pick[2];
-    for (int r = 0; r < 2; r++) {
-        uint8_t table[64];
-        for (int i = 0; i < 16; i++) {
-            table[4 * i + 0] = (uint8_t)(16 * r + i);
-            table[4 * i + 1] = 64;
-            table[4 * i + 2] = (uint8_t)(32 + 16 * r + i);
-            table[4 * i + 3] = 64;
-        }
-        pick[r] = _mm512_loadu_si512(table);
-    }
+    pick_tables(pick);
     /* two groups' unpacked weights: the next group is unpacked while the tiles multiply this one */
     __attribute__((aligned(64))) uint8_t weights[2][4][16][64];
     __attribute__((aligned(64))) float products[4][16][16];
@@ -291,12 +298,7 @@ static void int4_block_amx(const Matrix *w, const uint32_t *x_pairs, const float
             for (int line = 0; line < 4; line++)
                 _mm_prefetch((const char *)(w->scales + (g + 2) * n + block * 64 + 16 * line), _MM_HINT_T0);
         __m512 scale[4], offset[4];
-        for (int j = 0; j < 4; j++) {
-            const __m512i packed = _mm512_loadu_si512(w->scales + g * n + block * 64 + 16 * j);
-            scale[j] = _mm512_castsi512_ps(_mm512_slli_epi32(packed, 16));
-            const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(packed, high_half));
-            offset[j] = _mm512_fmadd_ps(scale[j], minus_136, zero);
-        }
+        group_scales(w, g, block, scale, offset);
         for (int64_t m0 = 0; m0 < rows; m0 += 16) {
             const int64_t count = rows - m0 < 16 ? rows - m0 : 16;
             if (count != configured) configure_tiles(configured = count);
@@ -326,21 +328,7 @@ static void int4_block_amx(const Matrix *w, const uint32_t *x_pairs, const float
                 }
         }
     }
-    if (w->bias != NULL)
-        for (int64_t m = 0; m < rows; m++)
-            for (int64_t i = 0; i < 64; i++) y[m * ldy + block * 64 + i] += w->bias[block * 64 + i];
-}
-
-/* Tiles 0-3: x's rows × 16 outputs each; 4: x's rows × 16 column pairs; 5-7: 16 pairs × 16 outputs. */
-static void configure_prefill_tiles(int64_t rows) {
-    TileConfig config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        config.colsb[i] = 64;
-        config.rows[i] = (uint8_t)(i < 5 ? rows : 16);
-    }
-    _tile_loadconfig(&config);
+    add_bias(w, rows, block, y, ldy);
 }
 
 /* The int4 product for many rows (a prompt): the block's weights are dequantised once into bf16
@@ -350,29 +338,14 @@ static void configure_prefill_tiles(int64_t rows) {
  * slightly from int4_block_amx's: only batches of PREFILL_ROWS or more take this path. */
 static void int4_block_amx_prefill(const Matrix *w, const uint32_t *x_pairs, int64_t rows, int64_t block,
                                    float *y, int64_t ldy, uint32_t *tiles) {
-    const int64_t k = w->in_features, n = w->out_features, pairs = k / 2, groups = k / GROUP;
+    const int64_t k = w->in_features, pairs = k / 2, groups = k / GROUP;
     const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
-    const __m512 minus_136 = _mm512_set1_ps(-136.0f);
     __m512i pick[2];
-    for (int r = 0; r < 2; r++) {
-        uint8_t table[64];
-        for (int i = 0; i < 16; i++) {
-            table[4 * i + 0] = (uint8_t)(16 * r + i);
-            table[4 * i + 1] = 64;
-            table[4 * i + 2] = (uint8_t)(32 + 16 * r + i);
-            table[4 * i + 3] = 64;
-        }
-        pick[r] = _mm512_loadu_si512(table);
-    }
+    pick_tables(pick);
     const uint8_t *base = (const uint8_t *)w->weight + block * pairs * 64;
     for (int64_t g = 0; g < groups; g++) {
         __m512 scale[4], offset[4];
-        for (int j = 0; j < 4; j++) {
-            const __m512i packed = _mm512_loadu_si512(w->scales + g * n + block * 64 + 16 * j);
-            scale[j] = _mm512_castsi512_ps(_mm512_slli_epi32(packed, 16));
-            offset[j] = _mm512_fmadd_ps(scale[j], minus_136,
-                                        _mm512_castsi512_ps(_mm512_and_si512(packed, high_half)));
-        }
+        group_scales(w, g, block, scale, offset);
         for (int64_t i = 0; i < GROUP / 2; i++) {
             __m512bh unpacked[4];
             unpack_pair(base + (g * (GROUP / 2) + i) * 64, pick, unpacked);
@@ -389,7 +362,7 @@ static void int4_block_amx_prefill(const Matrix *w, const uint32_t *x_pairs, int
     int64_t configured = -1;
     for (int64_t m0 = 0; m0 < rows; m0 += 16) {
         const int64_t count = rows - m0 < 16 ? rows - m0 : 16;
-        if (count != configured) configure_prefill_tiles(configured = count);
+        if (count != configured) configure_tiles(configured = count);
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -411,9 +384,7 @@ static void int4_block_amx_prefill(const Matrix *w, const uint32_t *x_pairs, int
         _tile_stored(2, out + 32, ldy * 4);
         _tile_stored(3, out + 48, ldy * 4);
     }
-    if (w->bias != NULL)
-        for (int64_t m = 0; m < rows; m++)
-            for (int64_t i = 0; i < 64; i++) y[m * ldy + block * 64 + i] += w->bias[block * 64 + i];
+    add_bias(w, rows, block, y, ldy);
 }
 
 /* Tiles 0-3: products of four 16-row slices of a 64-row weight block with up to 16 rows of x
