@@ -243,7 +243,7 @@ def _context_source(
     """
     if len(slots) == 1:
         row = slots[0]
-        if row[-1] - row[0] == len(row) - 1 and (len(row) == 1 or bool((np.diff(row) == 1).all())):
+        if bool((np.diff(row) == 1).all()):  # consecutive slots (one alone is too)
             return (int(row[0]), int(row[0]) + len(row)), None
     rows = np.empty((len(slots), longest_context), dtype=np.int64)
     for b, row in enumerate(slots):

@@ -267,6 +267,21 @@ static void configure_tiles(int64_t rows) {
     _tile_loadconfig(&config);
 }
 
+/* Tiles 0-3 += a group of x (16 column pairs of each row, rows `stride` bytes apart) times four
+ * 16 × 16-pair weight tiles, laid out one after another from `weight_tiles` (1 KiB each). */
+static inline void group_tile_products(const uint32_t *x, int64_t stride, const void *weight_tiles) {
+    const uint8_t *w = weight_tiles;
+    _tile_loadd(4, x, stride);
+    _tile_loadd(5, w, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, w + 1024, 64);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, w + 2048, 64);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, w + 3072, 64);
+    _tile_dpbf16ps(3, 4, 5);
+}
+
 /* The same product as int4_block with AMX: a group's 16 column pairs unpacked into three weight
  * tiles in turn and multiplied with up to 16 rows of x at once. */
 static void int4_block_amx(const Matrix *w, const uint32_t *x_pairs, const float *group_sums,
@@ -306,15 +321,7 @@ static void int4_block_amx(const Matrix *w, const uint32_t *x_pairs, const float
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
-            _tile_loadd(4, x_pairs + m0 * pairs + first, pairs * 4);
-            _tile_loadd(5, tiles[0], 64);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(6, tiles[1], 64);
-            _tile_dpbf16ps(1, 4, 6);
-            _tile_loadd(7, tiles[2], 64);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_loadd(5, tiles[3], 64);
-            _tile_dpbf16ps(3, 4, 5);
+            group_tile_products(x_pairs + m0 * pairs + first, pairs * 4, tiles);
             _tile_stored(0, products[0], 64);
             _tile_stored(1, products[1], 64);
             _tile_stored(2, products[2], 64);
@@ -368,15 +375,7 @@ static void int4_block_amx_prefill(const Matrix *w, const uint32_t *x_pairs, int
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t g = 0; g < groups; g++) {
-            _tile_loadd(4, x_pairs + m0 * pairs + g * (GROUP / 2), pairs * 4);
-            _tile_loadd(5, tiles + (g * 4 + 0) * 256, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(6, tiles + (g * 4 + 1) * 256, 64);
-            _tile_dpbf16ps(1, 4, 6);
-            _tile_loadd(7, tiles + (g * 4 + 2) * 256, 64);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_loadd(5, tiles + (g * 4 + 3) * 256, 64);
-            _tile_dpbf16ps(3, 4, 5);
+            group_tile_products(x_pairs + m0 * pairs + g * (GROUP / 2), pairs * 4, tiles + g * 4 * 256);
         }
         float *out = y + m0 * ldy + block * 64;
         _tile_stored(0, out, ldy * 4);

@@ -125,11 +125,6 @@ def kernel_name() -> str | None:
     return None if lib is None else KERNELS.get(lib.polylane_kernel())
 
 
-def supports(config: ModelConfig) -> bool:
-    """Whether models of this shape can run natively on this machine (before loading)."""
-    return _config_reason(config) is None and library() is not None
-
-
 def _config_reason(config: ModelConfig) -> str | None:
     if config.architecture not in ("llama", "qwen2"):
         return f"architecture {config.architecture}"
