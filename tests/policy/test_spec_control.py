@@ -8,21 +8,13 @@ import random
 
 import pytest
 
-from polylane.policy.spec_control import (
-    Ema,
-    LinearCost,
-    SpecController,
-    SpeculationConfig,
-    parse_shape,
-)
+from polylane.policy.spec_control import DrafterInfo, SpecController, SpeculationConfig, parse_shape
 from polylane.policy.spec_tree import CHAIN, TOPK, TreeShape
 
 
 def _controller(
     config: SpeculationConfig | None = None, drafters=(("small", "model", 0.2),)
 ) -> SpecController:
-    from polylane.policy.spec_control import DrafterInfo
-
     controller = SpecController("target", config or SpeculationConfig())
     for name, kind, cost in drafters:
         controller.add_drafter(DrafterInfo(name, kind, cost))
@@ -116,6 +108,67 @@ def test_acceptance_is_per_request_as_well_as_per_pair():
     assert free_form == [None, None, None]
 
 
+def _cliff_costs(controller, jump_at=9, counts=(*range(1, 17), 24)):
+    """A native kernel up to jump_at - 1 tokens (20 ms + 0.2 ms per token), torch above (60 ms)."""
+    for tokens in counts:
+        seconds = 0.020 + 0.0002 * tokens if tokens < jump_at else 0.060 + 0.0002 * tokens
+        for _ in range(2):  # the first of a count is warm-up
+            controller.record_target_forward(tokens, seconds)
+
+
+def test_k_stops_short_of_a_jump_in_verify_cost():
+    flat = _controller(SpeculationConfig(mode="chain"))
+    _cliff_costs(flat, jump_at=100)
+    flat.record_draft_cost("small", 0.001, 1)
+    _feed(flat, "small", lambda d, i: 0)  # always right
+    assert flat.decide(1, ["small"], batch_size=1, max_nodes=64).shape == TreeShape.chain(8, 0.4)
+
+    cliff = _controller()  # auto: chains and trees
+    _cliff_costs(cliff)  # verify passes of 9 tokens or more cost 3×
+    cliff.record_draft_cost("small", 0.001, 1)
+    _feed(cliff, "small", lambda d, i: 0)
+    decision = cliff.decide(1, ["small"], batch_size=1, max_nodes=64)
+    assert decision is not None and decision.shape.max_nodes + 1 <= 8, decision
+    assert decision.shape.kind == CHAIN and decision.shape.depth == 7
+    # two requests in a batch: two verify rows each, so the jump comes at K = 3
+    _cliff_costs(cliff, counts=range(2, 33, 2))
+    batched = cliff.decide(1, ["small"], batch_size=2, max_nodes=64)
+    assert batched is not None and 2 * (batched.shape.max_nodes + 1) <= 8, batched
+
+
+def test_an_unmeasured_verify_size_is_tried_then_known():
+    controller = _controller(SpeculationConfig(mode="chain"))
+    _cliff_costs(controller, counts=(1, 2))  # only plain steps and one-token drafts measured
+    controller.record_draft_cost("small", 0.001, 1)
+    _feed(controller, "small", lambda d, i: 0)
+    first = controller.decide(1, ["small"], batch_size=1, max_nodes=64)
+    assert first is not None and first.shape.depth == 8  # 9 tokens not measured: worth a try
+    _cliff_costs(controller, counts=(9,))  # it costs 3×
+    second = controller.decide(1, ["small"], batch_size=1, max_nodes=64)
+    assert second is not None and second.shape.depth < 8, second
+
+
+def test_a_cheap_drafter_that_is_seldom_right_is_switched_off():
+    controller = _controller(drafters=(("twin", "twin", 0.15),))
+    _cliff_costs(controller)
+    controller.record_draft_cost("twin", 0.003, 1)
+    _feed(controller, "twin", lambda d, i: 0 if random.Random(i * 7 + d).random() < 0.1 else None)
+    decisions = [controller.decide(1, ["twin"], batch_size=1, max_nodes=64) for _ in range(10)]
+    assert decisions == [None] * 10  # plain decode (a probe comes after probe_every rounds)
+    assert controller.pairs["twin"].decisions_off == 10
+
+
+def test_measured_costs_outlive_the_controller():
+    controller = _controller()
+    _cliff_costs(controller)
+    fresh = _controller()
+    assert fresh.plain_step_due(1)  # a controller of its own measures t(1) first
+    again = SpecController("target", SpeculationConfig(), controller.pairs, controller.costs)
+    again.add_drafter(DrafterInfo("small", "model", 0.2))
+    assert not again.plain_step_due(1)  # t(1) is known: no plain step needed to measure it
+    assert again.costs.verify.predict(12) == controller.costs.verify.predict(12)
+
+
 def test_the_cheaper_drafter_wins_at_equal_acceptance():
     controller = _controller(drafters=(("big", "model", 0.4), ("twin", "twin", 0.15)))
     _costs(controller)
@@ -172,27 +225,6 @@ def test_pair_statistics():
     assert pair.tokens_per_verify == (4 + 1) / 2
     assert pair.chain_rounds == 1 and pair.tree_rounds == 1
     assert pair.draft_cost_share == pytest.approx(0.01 / 0.04)
-
-
-def test_linear_cost_fit_and_ema():
-    cost = LinearCost()
-    assert cost.predict(3) == 0.0 and not cost.seen
-    cost.add(1, 0.500)  # a first forward of a shape pays one-off costs: dropped
-    assert not cost.seen
-    cost.add(1, 0.020)
-    assert cost.predict(1) == pytest.approx(0.020)
-    assert cost.predict(11) > 0.020  # the prior slope, before a second token count is measured
-    for tokens in (1, 5, 9, 13):
-        cost.add(tokens, 0.020 + 0.001 * tokens)
-        cost.add(tokens, 0.020 + 0.001 * tokens)
-    assert cost.predict(9) == pytest.approx(0.029)  # measured
-    assert cost.predict(21) == pytest.approx(0.041, rel=0.05)  # extrapolated from the nearest
-    ema = Ema(0.5)
-    assert ema.value(7.0) == 7.0
-    ema.add(2.0)
-    assert ema.value() == pytest.approx(2.0)
-    ema.add(4.0)
-    assert 2.0 < ema.value() < 4.0
 
 
 def test_shadow_rounds_switch_a_free_drafter_back_on():

@@ -13,12 +13,14 @@ Statistics (exponentially decayed, so they follow the text being written):
   rates. For a deterministic draft (greedy, top-k, n-gram) that is exact; for sampled drafts it
   is the rate of the token the target produced. A round with nothing to draft (no n-gram match)
   is a plain decode step and records nothing: n-gram rates are rates given a match.
-- tokens per verify, per pair and shape: the realised mean, used once a shape has been tried
+- tokens per verify, per drafter and shape: the realised mean, used once a shape has been tried
   enough, in place of the model above.
-- costs: seconds per drafter forward (one depth for a batch) per drafter, and the target's
-  forward seconds by the tokens it computes, t(n), measured per n where seen and a line between
-  (`LinearCost`), fed by plain decode steps (n = batch) and verify passes (n = every draft node
-  plus the last token of each request).
+- costs (`policy.spec_cost`, kept across reloads of the target): seconds per drafter forward
+  (one depth for a batch) per drafter, and the target's forward seconds by the tokens it
+  computes, t(n), a table measured per n (`CostTable`: not a line, since a forward's cost can
+  jump where a native kernel hands a batch to torch), fed by plain decode steps (n = batch) and
+  verify passes (n = every draft node plus the last token of each request). So K and the tree
+  size stop short of a jump in t(n) unless the tokens past it pay for it.
 - shadow rounds: a drafter that costs nothing to ask (n-gram) is asked even while a request
   decodes plainly, and its guess is scored against the token that came (`record_shadow`), so a
   request whose text turns copy-heavy switches speculation on without waiting for a probe.
@@ -37,6 +39,7 @@ import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from polylane.policy.spec_cost import Ema, SpecMeasurements
 from polylane.policy.spec_tree import CHAIN, DYNAMIC, SHAPE_KINDS, TOPK, TreeShape
 
 NGRAM = "ngram"
@@ -158,28 +161,6 @@ def parse_shape(text: object) -> TreeShape:
 # ---------------------------------------------------------------------- statistics
 
 
-class Ema:
-    """An exponentially decayed mean: each new value weighs `1 - decay`, and early values are
-    not biased towards the start (the weights are normalised)."""
-
-    __slots__ = ("decay", "total", "weight")
-
-    def __init__(self, decay: float = 0.98) -> None:
-        self.decay, self.total, self.weight = decay, 0.0, 0.0
-
-    def add(self, value: float, count: float = 1.0) -> None:
-        keep = self.decay**count
-        self.total = self.total * keep + value * (1 - keep)
-        self.weight = self.weight * keep + (1 - keep)
-
-    @property
-    def seen(self) -> bool:
-        return self.weight > 0
-
-    def value(self, default: float = 0.0) -> float:
-        return self.total / self.weight if self.weight > 0 else default
-
-
 @dataclass
 class AcceptanceStats:
     """Rank rates by depth: decayed counts of nodes reached at depth d and of the target's token
@@ -256,57 +237,6 @@ class AcceptanceStats:
 
 
 @dataclass
-class LinearCost:
-    """The target's forward seconds by tokens computed: measured where measured, else a line.
-
-    Each token count keeps its own decayed mean, after a first observation that is dropped (a
-    new shape's first forward pays one-off costs: kernel selection, allocation). A count never
-    measured is predicted from a least-squares line through the measured means (every count
-    weighing alike, slope at least 0); with one count measured, from the prior slope.
-    """
-
-    decay: float = 0.9
-    prior_slope_share: float = 0.05  # b / a before two token counts are measured
-    means: dict[int, Ema] = field(default_factory=dict)
-    warmed: set[int] = field(default_factory=set)
-
-    def add(self, tokens: int, seconds: float) -> None:
-        if tokens not in self.warmed:
-            self.warmed.add(tokens)
-            return
-        self.means.setdefault(tokens, Ema(self.decay)).add(seconds)
-
-    @property
-    def seen(self) -> bool:
-        return bool(self.means)
-
-    def measured(self, tokens: int) -> bool:
-        """Whether forwards over exactly this many tokens have been measured (past warm-up)."""
-        return tokens in self.means
-
-    def predict(self, tokens: int) -> float:
-        if not self.means:
-            return 0.0
-        if tokens in self.means:
-            return self.means[tokens].value()
-        points = sorted((n, ema.value()) for n, ema in self.means.items())
-        if len(points) == 1:
-            n, seconds = points[0]
-            intercept = seconds / (1 + self.prior_slope_share * (n - 1))
-            return intercept * (1 + self.prior_slope_share * (tokens - 1))
-        mean_x = sum(n for n, _ in points) / len(points)
-        mean_y = sum(y for _, y in points) / len(points)
-        spread = sum((n - mean_x) ** 2 for n, _ in points)
-        slope = max(0.0, sum((n - mean_x) * (y - mean_y) for n, y in points) / spread)
-        if tokens < points[0][0]:  # below every measured count: never extrapolate a line down
-            n, seconds = points[0]
-            return seconds / (1 + self.prior_slope_share * (n - tokens))
-        # anchor the line at the nearest measured count, so measured neighbours stay consistent
-        n, seconds = min(points, key=lambda point: abs(point[0] - tokens))
-        return seconds + slope * (tokens - n)
-
-
-@dataclass
 class PairStats:
     """What one (target, drafter) pair has done: the numbers behind /metrics."""
 
@@ -373,17 +303,19 @@ class SpecController:
     """Decisions and statistics for one target model (see the module docstring)."""
 
     def __init__(
-        self, target: str, config: SpeculationConfig, pairs: dict[str, PairStats] | None = None
+        self,
+        target: str,
+        config: SpeculationConfig,
+        pairs: dict[str, PairStats] | None = None,
+        costs: SpecMeasurements | None = None,
     ) -> None:
-        """`pairs`: statistics to continue (a target reloaded keeps what it learnt)."""
+        """`pairs` and `costs`: statistics and measurements to continue (a target whose lease is
+        let go and taken again keeps what it learnt)."""
         self.target = target
         self.config = config
         self.drafters: dict[str, DrafterInfo] = {}
         self.pairs: dict[str, PairStats] = pairs if pairs is not None else {}
-        self.verify_cost = LinearCost()
-        self.draft_cost: dict[str, Ema] = {}  # seconds per draft step (one forward, a batch)
-        self.draft_prefill: dict[str, Ema] = {}  # seconds per token of a drafter's catch-up prefill
-        self.shape_tokens: dict[tuple[str, TreeShape], Ema] = {}
+        self.costs = costs if costs is not None else SpecMeasurements()
         self._requests: dict[int, _RequestState] = {}
         self._shape_cache: dict[str, list[tuple[TreeShape, int, int]]] = {}
         self._steps_since_plain: dict[int, int] = {}  # batch size → steps since a plain one
@@ -393,8 +325,7 @@ class SpecController:
     def add_drafter(self, info: DrafterInfo) -> None:
         self.drafters[info.name] = info
         self.pairs.setdefault(info.name, PairStats())
-        self.draft_cost.setdefault(info.name, Ema(0.95))
-        self.draft_prefill.setdefault(info.name, Ema(0.9))
+        self.costs.add_drafter(info.name)
 
     def forget(self, request: int) -> None:
         self._requests.pop(request, None)
@@ -436,7 +367,7 @@ class SpecController:
 
     def _estimate(self, drafter: str, shape: TreeShape, table: list[list[float]]) -> float:
         if shape.kind == DYNAMIC:
-            observed = self.shape_tokens.get((drafter, shape))
+            observed = self.costs.shape_tokens.get((drafter, shape))
             if observed is not None and observed.weight > 0.2:
                 return observed.value()
         return _expected_tokens(table, shape)
@@ -463,9 +394,9 @@ class SpecController:
         for name in names:
             table = self._accept_table(name, request)
             info = self.drafters[name]
-            per_forward = self.draft_cost[name].value(default=info.relative_cost * plain)
+            per_forward = self.costs.draft[name].value(default=info.relative_cost * plain)
             pending = (catch_up or {}).get(name, 0)
-            prefill = pending * self.draft_prefill[name].value(default=per_forward / PREFILL_SPEEDUP)
+            prefill = pending * self.costs.draft_prefill[name].value(default=per_forward / PREFILL_SPEEDUP)
             for shape, nodes, depth in self._shapes(info.kind):
                 if nodes > max_nodes:
                     shape = shape.limited(max_nodes)
@@ -517,7 +448,7 @@ class SpecController:
             return False
         batch = max(1, batch_size)
         since = self._steps_since_plain.get(batch, 0)
-        if not self.verify_cost.measured(batch) or since >= REMEASURE_EVERY:
+        if not self.costs.verify.measured(batch) or since >= REMEASURE_EVERY:
             self._steps_since_plain[batch] = 0
             return True
         self._steps_since_plain[batch] = since + 1
@@ -551,7 +482,7 @@ class SpecController:
         for depth, rank in rank_events:
             pair.acceptance.record(depth, rank)
             state.acceptance.record(depth, rank)
-        self.shape_tokens.setdefault((drafter, shape), Ema(0.95)).add(accepted + 1)
+        self.costs.shape_tokens.setdefault((drafter, shape), Ema(0.95)).add(accepted + 1)
 
     def record_shadow(self, request: int, drafter: str, rank: int | None) -> None:
         """A plain decode step scored for a free drafter: the target's token was its depth-1
@@ -565,23 +496,23 @@ class SpecController:
         pair = self.pairs[drafter]
         pair.draft_seconds += seconds
         if forwards > 0:
-            self.draft_cost[drafter].add(seconds / forwards)
+            self.costs.draft[drafter].add(seconds / forwards)
 
     def record_draft_prefill(self, drafter: str, tokens: int, seconds: float) -> None:
         """The drafter prefilled `tokens` of a request's context (its first round) in `seconds`."""
         if tokens > 0:
-            self.draft_prefill[drafter].add(seconds / tokens)
+            self.costs.draft_prefill[drafter].add(seconds / tokens)
 
     def record_draft_step_cost(self, drafter: str, forwards: int, seconds: float) -> None:
         """The drafter's own timing of its draft steps (a new request's prompt prefill apart,
         which is paid once and says nothing about the next round)."""
         if forwards > 0:
-            self.draft_cost[drafter].add(seconds / forwards)
+            self.costs.draft[drafter].add(seconds / forwards)
 
     def record_target_forward(self, tokens: int, seconds: float, drafters: Iterable[str] = ()) -> None:
         """A target forward over `tokens` new tokens (a plain decode step, or a verify pass whose
         time is charged to the pairs in `drafters`, shared equally)."""
-        self.verify_cost.add(tokens, seconds)
+        self.costs.verify.add(tokens, seconds)
         names = list(drafters)
         for name in names:
             self.pairs[name].verify_seconds += seconds / len(names)
@@ -605,9 +536,10 @@ class SpecController:
 
     def _forward_seconds(self, tokens: int) -> float:
         """The target's forward over `tokens` new tokens: measured fit, else relative units."""
-        if self.verify_cost.seen:
-            return self.verify_cost.predict(tokens)
-        return 1.0 + self.verify_cost.prior_slope_share * (tokens - 1)
+        verify = self.costs.verify
+        if verify.seen:
+            return verify.predict(tokens)
+        return 1.0 + verify.prior_slope_share * (tokens - 1)
 
 
 @functools.cache
@@ -656,8 +588,6 @@ __all__ = [
     "TWIN_PREFIX",
     "AcceptanceStats",
     "DrafterInfo",
-    "Ema",
-    "LinearCost",
     "PairStats",
     "SpecController",
     "SpecDecision",

@@ -22,6 +22,7 @@ from typing import Protocol
 
 from polylane.policy.lane import LaneMonitor
 from polylane.policy.spec_control import AUTO, NGRAM, TWIN_PREFIX, PairStats, SpeculationConfig
+from polylane.policy.spec_cost import SpecMeasurements
 from polylane.runtime.drafters import ModelDrafter, NgramDrafter
 from polylane.runtime.residency import ModelLease, ResidencyManager
 from polylane.runtime.runner import Runner
@@ -112,9 +113,10 @@ def build_speculator(
     leases: Mapping[str, ModelLease],
     monitor: LaneMonitor,
     pairs: dict[str, PairStats] | None = None,
+    costs: SpecMeasurements | None = None,
 ) -> Speculator:
     """A speculator with every planned drafter whose model is leased (`leases` by plan name)."""
-    speculator = Speculator(target, config, monitor, pairs=pairs)
+    speculator = Speculator(target, config, monitor, pairs=pairs, costs=costs)
     for plan in plans:
         if plan.kind == NGRAM:
             speculator.add_drafter(NgramDrafter(config.ngram_min, config.ngram_max), NGRAM_RELATIVE_COST)
@@ -173,7 +175,9 @@ class PairSnapshot:
 class SpeculationSetup:
     """The engine's speculation bookkeeping: configs per target, twins registered with the
     residency manager, drafter leases taken (loader thread) and speculators attached to the runner
-    (engine thread), and pair statistics kept across reloads."""
+    (engine thread), and pair statistics and measured costs kept across reloads: the scheduler
+    lets a target's lease go whenever it has no requests, and a speculator rebuilt from scratch
+    would measure its verify costs again for every request."""
 
     def __init__(self, manager: ResidencyManager, runner: Runner) -> None:
         self.manager = manager
@@ -181,6 +185,7 @@ class SpeculationSetup:
         self.configs: dict[str, SpeculationConfig] = {}
         self.served: dict[str, ServedLike] = {}
         self.pairs: dict[str, dict[str, PairStats]] = {}  # target → drafter → statistics
+        self.costs: dict[str, SpecMeasurements] = {}  # target → what its speculation costs
 
     def register(
         self, served: ServedLike, config: SpeculationConfig | None, source: str, kv_tokens: int
@@ -192,6 +197,7 @@ class SpeculationSetup:
             return
         self.configs[served.name] = config
         self.pairs.setdefault(served.name, {})
+        self.costs.setdefault(served.name, SpecMeasurements())
         for fmt in twin_formats(config):
             self.manager.register(twin_name(served.name, fmt), source, fmt, False, kv_tokens)
 
@@ -225,7 +231,14 @@ class SpeculationSetup:
             return
         plans = drafter_plans(target, config, self.served)
         speculator = build_speculator(
-            target, lease.model.weight_bytes, config, plans, drafters, self.runner.monitor, self.pairs[target]
+            target,
+            lease.model.weight_bytes,
+            config,
+            plans,
+            drafters,
+            self.runner.monitor,
+            self.pairs[target],
+            self.costs[target],
         )
         used = [d for name, d in drafters.items() if name in speculator.drafters]
         for name, drafter in drafters.items():

@@ -38,6 +38,7 @@ from polylane.policy.spec_control import (
     SpecDecision,
     SpeculationConfig,
 )
+from polylane.policy.spec_cost import SpecMeasurements
 from polylane.runtime.drafters import Drafter, DraftJob, NgramDrafter
 from polylane.runtime.model_kv import Extend, KVSequence, ModelKV
 from polylane.runtime.sampler import RequestSampler
@@ -78,12 +79,14 @@ class Speculator:
         config: SpeculationConfig,
         monitor: LaneMonitor | None = None,
         pairs: dict[str, PairStats] | None = None,
+        costs: SpecMeasurements | None = None,
     ) -> None:
-        """`pairs`: statistics to continue (kept by the engine across reloads of the target)."""
+        """`pairs`, `costs`: statistics and measurements to continue (kept by the engine across
+        reloads of the target)."""
         self.target = target
         self.config = config
         self.monitor = monitor or LaneMonitor()
-        self.controller = SpecController(target, config, pairs)
+        self.controller = SpecController(target, config, pairs, costs)
         self.drafters: dict[str, Drafter] = {}
         self._rounds: dict[int, _Round] = {}
         self._warned: set[tuple[str, type]] = set()
