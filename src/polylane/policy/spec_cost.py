@@ -60,12 +60,14 @@ class CostTable:
     prior_slope_share: float = 0.05
     means: dict[int, Ema] = field(default_factory=dict)
     warmed: set[int] = field(default_factory=set)
+    _envelope: list[tuple[int, float]] | None = field(default=None, repr=False, compare=False)
 
     def add(self, tokens: int, seconds: float) -> None:
         if tokens not in self.warmed:
             self.warmed.add(tokens)
             return
         self.means.setdefault(tokens, Ema(self.decay)).add(seconds)
+        self._envelope = None
 
     @property
     def seen(self) -> bool:
@@ -77,12 +79,14 @@ class CostTable:
 
     def envelope(self) -> list[tuple[int, float]]:
         """(count, seconds) of every measured count, ascending, each at most any larger count's."""
-        points = sorted((n, ema.value()) for n, ema in self.means.items())
-        running = float("inf")
-        for i in range(len(points) - 1, -1, -1):
-            running = min(running, points[i][1])
-            points[i] = (points[i][0], running)
-        return points
+        if self._envelope is None:
+            points = sorted((n, ema.value()) for n, ema in self.means.items())
+            running = float("inf")
+            for i in range(len(points) - 1, -1, -1):
+                running = min(running, points[i][1])
+                points[i] = (points[i][0], running)
+            self._envelope = points
+        return self._envelope
 
     def predict(self, tokens: int) -> float:
         points = self.envelope()
