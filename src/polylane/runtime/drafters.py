@@ -93,6 +93,10 @@ class ModelDrafter:
         sequence = self._sequences.get(request_id)
         return context_length - (sequence.num_tokens if sequence is not None else 0)
 
+    def ready(self, request_id: int, context: Sequence[int]) -> bool:
+        """Whether it has a draft to offer after `context` (a model always has)."""
+        return True
+
     @property
     def num_requests(self) -> int:
         return len(self._sequences)
@@ -251,6 +255,10 @@ class NgramDrafter:
 
     def catch_up(self, request_id: int, context_length: int) -> int:
         return 0
+
+    def ready(self, request_id: int, context: Sequence[int]) -> bool:
+        """Whether some n-gram ending the context occurred before (else there is nothing to draft)."""
+        return bool(self.first_candidates(request_id, context, 1))
 
     def draft(self, jobs: Sequence[DraftJob]) -> int:
         for job in jobs:

@@ -129,9 +129,14 @@ class Speculator:
         chosen: dict[str, list[tuple[SpecRequest, SpecDecision]]] = {}
         for request in requests:
             limit = request.max_new - 1  # the target adds one token of its own
-            # a drafter whose own context would overflow cannot draft for this request
+            # a drafter whose own context would overflow cannot draft for this request, nor can
+            # prompt lookup where nothing matches (the controller's n-gram rates are given a match)
             length = len(request.context)
-            available = [n for n, d in self.drafters.items() if d.room(length) > limit]
+            available = [
+                n
+                for n, d in self.drafters.items()
+                if d.room(length) > limit and d.ready(request.id, request.context)
+            ]
             catch_up = {n: self.drafters[n].catch_up(request.id, length) for n in available}
             decision = self.controller.decide(request.id, available, batch_size, limit, catch_up)
             if decision is not None:
