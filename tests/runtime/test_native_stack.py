@@ -137,6 +137,51 @@ def test_a_long_prompt_chunk_without_logits_runs_natively(load_real_model):
     assert last.shape == (1, module.config.vocab_size) and torch.isfinite(last).all()
 
 
+@needs_native
+def test_prompt_runs_on_tiles_agree_with_the_torch_path(load_real_model):
+    # one prompt step of 128+ tokens: runs of 16+ tokens of one sequence attend on AMX tiles (a
+    # 300-token prompt, a 17-token one with a 1-token last block, 150 tokens after a cached
+    # 100-token prefix), shorter ones (5 tokens) per token; then each sequence decodes 6 greedy
+    # steps, reading the KV cache the prompt step wrote
+    model = load_real_model(SMOL, "int4")
+    module = _native(model)
+    ids = tuple(model.tokenizer.encode(TEXT * 8))
+    prompts = {
+        "long": (ids[:300], 0),
+        "odd": (ids[40:57], 0),
+        "short": (ids[90:95], 0),
+        "after": (ids[:250], 100),
+    }
+    tables = {name: tuple(range(20 * i, 20 * i + 20)) for i, name in enumerate(prompts)}
+
+    def run() -> torch.Tensor:
+        cache = PagedKVCache(module.config, 20 * len(prompts), 16, model.kv_dtype)
+        _forward(module, cache, [SequenceChunk(prompts["after"][0][:100], 0, tables["after"])])
+        chunks = [SequenceChunk(p[start:], start, tables[name]) for name, (p, start) in prompts.items()]
+        rows = [_forward(module, cache, chunks)]
+        positions = {name: len(p) for name, (p, _) in prompts.items()}
+        for _ in range(6):
+            nexts = rows[-1].argmax(-1).tolist()
+            steps = [
+                SequenceChunk((t,), positions[name], tables[name])
+                for name, t in zip(prompts, nexts, strict=True)
+            ]
+            rows.append(_forward(module, cache, steps))
+            positions = {name: position + 1 for name, position in positions.items()}
+        return torch.cat(rows)
+
+    fast = run()
+    stack, module.native_stack = module.native_stack, None
+    try:
+        reference = run()
+    finally:
+        module.native_stack = stack
+    top1 = (fast.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    mean_abs = (fast - reference).abs().mean().item()
+    min_top1, max_mean_abs = AGREEMENT["int4"]
+    assert torch.isfinite(fast).all() and top1 >= min_top1 and mean_abs <= max_mean_abs, (top1, mean_abs)
+
+
 def _native(model):
     if model.module.native_stack is None:
         pytest.skip("the native int4 stack does not run on this machine")

@@ -41,6 +41,9 @@
 /* In a forward of this many tokens that is a prompt (no verify pass: Step.prompt), int4 products
  * use bf16-dequantised weight tiles on AMX (int4_block_amx_prefill). */
 #define PREFILL_ROWS 128
+/* Forwards of this many tokens or more run their per-token work (norms, RoPE, KV writes,
+ * residuals, activation rounding) on all threads; fewer stay on one (no fork per op). */
+#define PARALLEL_ROWS 32
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
 #endif
@@ -94,31 +97,20 @@ int polylane_supported(void) {
 
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 
-static inline uint16_t to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* quiet NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(bits >> 16);
-}
-
-static inline float from_bf16(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
 /* Activations of M rows as bf16 column pairs (M, K/2) and their bf16 sums per group (M, K/32). */
-static void prepare_rows(const float *x, int64_t rows, int64_t k, uint16_t *x16, float *group_sums) {
-    for (int64_t m = 0; m < rows; m++) {
-        for (int64_t i = 0; i < k; i++) x16[m * k + i] = to_bf16(x[m * k + i]);
+static void prepare_rows(const float *x, int64_t rows, int64_t k, uint16_t *x16, float *group_sums, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int64_t m = 0; m < rows; m++)
         for (int64_t g = 0; g < k / GROUP; g++) {
-            float s = 0.0f;
-            for (int64_t i = 0; i < GROUP; i++) s += from_bf16(x16[m * k + g * GROUP + i]);
-            group_sums[m * (k / GROUP) + g] = s;
+            const int64_t i = m * k + g * GROUP;
+            const __m256i low = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
+            const __m256i high = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i + 16));
+            _mm256_storeu_si256((__m256i *)(x16 + i), low);
+            _mm256_storeu_si256((__m256i *)(x16 + i + 16), high);
+            const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(low), 16)),
+                                             _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(high), 16)));
+            group_sums[m * (k / GROUP) + g] = _mm512_reduce_add_ps(sum);
         }
-    }
 }
 
 /* Unpack the 64 bytes of one column pair of a 64-row block into four vectors of bf16 pairs
@@ -585,7 +577,7 @@ static void matmul(const Matrix *w, const float *x, int64_t rows, float *y, cons
     const int64_t blocks = w->out_features / 64;
     const uint32_t *x_pairs = (const uint32_t *)scratch->x16;
     const int dense32 = w->kind == FP32 || w->kind == FP32_INPUT_MAJOR;
-    if (!dense32) prepare_rows(x, rows, w->in_features, scratch->x16, scratch->sums);
+    if (!dense32) prepare_rows(x, rows, w->in_features, scratch->x16, scratch->sums, threads);
     const int amx = amx_on();
 #ifdef HAVE_AMX
     if (amx && !dense32) {
@@ -637,7 +629,9 @@ int polylane_kernel(void) {
     return 1;
 }
 
-static void rms_norm(const float *x, const float *weight, int64_t rows, int64_t size, float eps, float *y) {
+static void rms_norm(const float *x, const float *weight, int64_t rows, int64_t size, float eps, float *y,
+                     int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t m = 0; m < rows; m++) {
         const float *row = x + m * size;
         float sum = 0.0f;
@@ -646,6 +640,13 @@ static void rms_norm(const float *x, const float *weight, int64_t rows, int64_t 
         const float inv = 1.0f / sqrtf(sum / (float)size + eps);
         for (int64_t i = 0; i < size; i++) y[m * size + i] = row[i] * inv * weight[i];
     }
+}
+
+/* x (rows, size) += y. */
+static void add_rows(float *x, const float *y, int64_t rows, int64_t size, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t i = m * size; i < (m + 1) * size; i++) x[i] += y[i];
 }
 
 /* Rotate interleaved (even, odd) pairs of `heads` heads of one token by its (cos, sin) table. */
@@ -716,7 +717,8 @@ static inline __attribute__((always_inline)) __m512 load_kv(const void *row, int
 
 static inline __attribute__((always_inline)) void attention_impl(const Model *model, const Layer *layer,
                                                                  const Step *step, const float *qkv, float *out,
-                                                                 float *scratch, const int bf16) {
+                                                                 float *scratch, const int64_t *todo,
+                                                                 int64_t count, const int bf16) {
     const int64_t element = bf16 ? 2 : 4;
     const char *keys = layer->keys, *values = layer->values;
     const int64_t heads = model->heads, kv_heads = model->kv_heads, dim = model->head_dim;
@@ -726,8 +728,9 @@ static inline __attribute__((always_inline)) void attention_impl(const Model *mo
     {
         float *scores = scratch + (int64_t)omp_get_thread_num() * group * context;
 #pragma omp for schedule(static, 1) collapse(2) /* round robin: a causal prompt's later tokens see more keys */
-        for (int64_t t = 0; t < step->tokens; t++) {
+        for (int64_t i = 0; i < count; i++) {
             for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
+                const int64_t t = todo != NULL ? todo[i] : i;
                 const float *q = qkv + t * width + kvh * group * dim;
                 const int64_t *slots = step->context + step->sequence[t] * context;
                 const uint8_t *visible = step->visible + t * context;
@@ -799,10 +802,259 @@ static inline __attribute__((always_inline)) void attention_impl(const Model *mo
     }
 }
 
+#ifdef HAVE_AMX
+/* Prompt attention on AMX tiles. A run of RUN_ROWS or more consecutive tokens of one sequence (a
+ * prompt chunk) takes its query heads 16 tokens at a time: per KV head the run's keys and values
+ * are packed once as B tiles, then per (query head, 16-token block) the scores S = Q K^T come
+ * from tiles (Q rounded to bf16), the softmax is float32, and O = P V comes from tiles again (P
+ * rounded to bf16). The rounding makes these tokens' outputs differ slightly from the per-token
+ * loop's, so only prompts (Step.prompt) of PREFILL_ROWS tokens or more take this path, as they
+ * take the int4 prompt kernel; head sizes 64 or 128. */
+#define RUN_ROWS 16
+
+typedef struct {
+    int64_t sequence, first, count; /* tokens first .. first + count - 1, all reading `sequence` */
+    uint8_t *seen;                  /* (padded,) some token of the run sees key c */
+    uint32_t *keys;   /* per KV head, per 16 keys and 32 dims: 16 dim pairs × 16 keys */
+    uint32_t *values; /* per KV head, per 32 keys and 16 dims: 16 key pairs × 16 dims */
+} Run;
+
+/* All eight tiles 16 rows × 64 bytes: 0-3 float32 sums, 2-5 also the query tiles while scoring,
+ * 4-7 weights and packed keys or values. */
+static void configure_square_tiles(void) {
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        config.colsb[i] = 64;
+        config.rows[i] = 16;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* One KV head's keys and values of a run as tiles; keys no token of the run sees are zero (their
+ * cache slots may hold anything, and 0 × NaN would poison the sums). */
+static void pack_run(const Layer *layer, const Step *step, const Run *run, int64_t kv_width, int64_t dim,
+                     int64_t kvh, int64_t padded) {
+    const int64_t *slots = step->context + run->sequence * step->context_len;
+    const int64_t pairs = dim / 2, chunks = dim / 32, slices = dim / 16;
+    uint32_t *keys = run->keys + kvh * padded * pairs;
+    uint16_t *values = (uint16_t *)(run->values + kvh * padded * pairs);
+    for (int64_t c = 0; c < padded; c++) {
+        const int used = run->seen[c];
+        const int64_t offset = used ? slots[c] * kv_width + kvh * dim : 0;
+        const uint32_t *key = (const uint32_t *)((const uint16_t *)layer->keys + offset);
+        const uint16_t *value = (const uint16_t *)layer->values + offset;
+        for (int64_t kk = 0; kk < pairs; kk++)
+            keys[(((c / 16) * chunks + kk / 16) * 16 + kk % 16) * 16 + c % 16] = used ? key[kk] : 0;
+        for (int64_t d = 0; d < dim; d++)
+            values[((((c / 32) * slices + d / 16) * 16 + (c % 32) / 2) * 16 + d % 16) * 2 + c % 2] = used ? value[d] : 0;
+    }
+}
+
+/* Per-thread work space of attend_block. */
+typedef struct {
+    float *scores;     /* 16 × padded */
+    uint16_t *weights; /* 16 × padded bf16 softmax numerators */
+    uint16_t *queries; /* 16 × head_dim bf16 */
+    uint16_t *masks;   /* 16 × padded / 16: which keys of each 16 a row sees */
+} BlockWork;
+
+/* Query head `head` of a run's 16-token block `block`: those tokens' attention output rows. */
+static void attend_block(const Model *model, const Step *step, const Run *run, int64_t head, int64_t block,
+                         const float *qkv, float *out, int64_t padded, const BlockWork *work) {
+    const int64_t dim = model->head_dim, heads = model->heads, context = step->context_len;
+    const int64_t width = (heads + 2 * model->kv_heads) * dim, kvh = head / (heads / model->kv_heads);
+    const int64_t chunks = dim / 32, key_blocks = padded / 16, first = run->first + 16 * block;
+    const int64_t rows = run->count - 16 * block < 16 ? run->count - 16 * block : 16;
+    const uint32_t *keys = run->keys + kvh * padded * (dim / 2);
+    const uint32_t *values = run->values + kvh * padded * (dim / 2);
+    float *scores = work->scores;
+    uint16_t *weights = work->weights, *queries = work->queries, *masks = work->masks;
+    for (int64_t i = 0; i < 16; i++) {
+        if (i < rows) store_bf16(qkv + (first + i) * width + head * dim, dim, queries + i * dim);
+        else memset(queries + i * dim, 0, sizeof(uint16_t) * (size_t)dim);
+        for (int64_t j = 0; j < key_blocks; j++) {
+            const int64_t span = i >= rows || context <= 16 * j ? 0 : context - 16 * j < 16 ? context - 16 * j : 16;
+            const __mmask16 lanes = span == 16 ? 0xffff : (__mmask16)((1u << span) - 1);
+            masks[i * key_blocks + j] = span == 0 ? 0 : _mm_mask_cmpneq_epi8_mask(
+                lanes, _mm_maskz_loadu_epi8(lanes, step->visible + (first + i) * context + 16 * j), _mm_setzero_si128());
+        }
+    }
+    _tile_loadd(2, queries, dim * 2);
+    _tile_loadd(3, queries + 32, dim * 2);
+    if (chunks > 2) {
+        _tile_loadd(4, queries + 64, dim * 2);
+        _tile_loadd(5, queries + 96, dim * 2);
+    }
+    /* scores, two key blocks at a time (two independent sums); blocks no row sees are skipped */
+    for (int64_t j = 0; j < key_blocks; j += 2) {
+        int any = 0;
+        for (int64_t i = 0; i < rows; i++) any |= masks[i * key_blocks + j] | masks[i * key_blocks + j + 1];
+        if (!any) continue;
+        const uint32_t *k0 = keys + j * chunks * 256, *k1 = k0 + chunks * 256;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(6, k0, 64);
+        _tile_dpbf16ps(0, 2, 6);
+        _tile_loadd(7, k1, 64);
+        _tile_dpbf16ps(1, 2, 7);
+        _tile_loadd(6, k0 + 256, 64);
+        _tile_dpbf16ps(0, 3, 6);
+        _tile_loadd(7, k1 + 256, 64);
+        _tile_dpbf16ps(1, 3, 7);
+        if (chunks > 2) {
+            _tile_loadd(6, k0 + 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, k1 + 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(6, k0 + 768, 64);
+            _tile_dpbf16ps(0, 5, 6);
+            _tile_loadd(7, k1 + 768, 64);
+            _tile_dpbf16ps(1, 5, 7);
+        }
+        _tile_stored(0, scores + 16 * j, padded * 4);
+        _tile_stored(1, scores + 16 * j + 16, padded * 4);
+    }
+    /* softmax numerators as bf16 (unseen keys exactly 0) and each row's 1 / sum */
+    float inverse[16];
+    const __m512 scale = _mm512_set1_ps(model->scale);
+    for (int64_t i = 0; i < 16; i++) {
+        const uint16_t *seen = masks + i * key_blocks;
+        float *row = scores + i * padded;
+        __m512 best = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < key_blocks; j++)
+            if (seen[j]) best = _mm512_mask_max_ps(best, seen[j], best, _mm512_mul_ps(_mm512_loadu_ps(row + 16 * j), scale));
+        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t j = 0; j < key_blocks; j++) {
+            __m512 e = _mm512_setzero_ps();
+            if (seen[j]) e = _mm512_maskz_mov_ps(seen[j], exp16(_mm512_fmsub_ps(_mm512_loadu_ps(row + 16 * j), scale, top)));
+            total = _mm512_add_ps(total, e);
+            _mm256_storeu_si256((__m256i *)(weights + i * padded + 16 * j), (__m256i)_mm512_cvtneps_pbh(e));
+        }
+        const float sum = _mm512_reduce_add_ps(total);
+        inverse[i] = sum > 0.0f ? 1.0f / sum : 0.0f;
+    }
+    /* O = P V, 64 dims (four tiles) at a time over 32 keys at a time */
+    __attribute__((aligned(64))) float sums[16][64];
+    for (int64_t d0 = 0; d0 < dim; d0 += 64) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t j = 0; j < key_blocks; j += 2) {
+            int any = 0;
+            for (int64_t i = 0; i < rows; i++) any |= masks[i * key_blocks + j] | masks[i * key_blocks + j + 1];
+            if (!any) continue;
+            const uint32_t *v = values + ((j / 2) * (dim / 16) + d0 / 16) * 256;
+            _tile_loadd(4, weights + 16 * j, padded * 2);
+            _tile_loadd(5, v, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_loadd(6, v + 256, 64);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(7, v + 512, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, v + 768, 64);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, sums[0], 256);
+        _tile_stored(1, sums[0] + 16, 256);
+        _tile_stored(2, sums[0] + 32, 256);
+        _tile_stored(3, sums[0] + 48, 256);
+        for (int64_t i = 0; i < rows; i++) {
+            float *o = out + (first + i) * heads * dim + head * dim + d0;
+            for (int64_t k = 0; k < 64; k += 16)
+                _mm512_storeu_ps(o + k, _mm512_mul_ps(_mm512_load_ps(sums[i] + k), _mm512_set1_ps(inverse[i])));
+        }
+    }
+}
+
+/* The runs of RUN_ROWS or more tokens of a prompt step on tiles; the other tokens are listed in
+ * `todo` for the per-token loop. Returns how many, or -1 when memory ran out (nothing done). */
+static int64_t attend_runs(const Model *model, const Layer *layer, const Step *step, const float *qkv, float *out,
+                           int64_t *todo) {
+    const int64_t tokens = step->tokens, context = step->context_len, dim = model->head_dim;
+    const int64_t padded = (context + 31) / 32 * 32, kv_width = model->kv_heads * dim;
+    const size_t pack = sizeof(uint32_t) * (size_t)(model->kv_heads * padded * dim / 2);
+    Run runs[tokens / RUN_ROWS + 1];
+    int64_t count = 0, left = 0, items = 0;
+    for (int64_t t = 0; t < tokens;) {
+        int64_t end = t + 1;
+        while (end < tokens && step->sequence[end] == step->sequence[t]) end++;
+        if (end - t >= RUN_ROWS) {
+            runs[count] = (Run){step->sequence[t], t, end - t, calloc((size_t)padded, 1), aligned_alloc(64, pack),
+                                aligned_alloc(64, pack)};
+            items += model->heads * ((end - t + 15) / 16);
+            count++;
+        } else {
+            for (int64_t i = t; i < end; i++) todo[left++] = i;
+        }
+        t = end;
+    }
+    int status = 0;
+    for (int64_t r = 0; r < count; r++) {
+        Run *run = &runs[r];
+        if (!run->seen || !run->keys || !run->values) {
+            status = -1;
+            continue;
+        }
+        for (int64_t t = run->first; t < run->first + run->count; t++)
+            for (int64_t c = 0; c < context; c++) run->seen[c] |= step->visible[t * context + c];
+    }
+    if (status == 0) {
+#pragma omp parallel num_threads(step->threads)
+        {
+            configure_square_tiles();
+#pragma omp for schedule(dynamic, 1) collapse(2)
+            for (int64_t r = 0; r < count; r++)
+                for (int64_t kvh = 0; kvh < model->kv_heads; kvh++) pack_run(layer, step, &runs[r], kv_width, dim, kvh, padded);
+            BlockWork work = {aligned_alloc(64, sizeof(float) * (size_t)(16 * padded)),
+                              aligned_alloc(64, sizeof(uint16_t) * (size_t)(16 * padded)),
+                              aligned_alloc(64, sizeof(uint16_t) * (size_t)(16 * dim)),
+                              malloc(sizeof(uint16_t) * (size_t)(padded + 16))};
+            const int ready = work.scores && work.weights && work.queries && work.masks;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < items; item++) {
+                if (!ready) continue; /* (a thread without work space leaves its items undone: -1 below) */
+                int64_t r = 0, rest = item; /* later blocks see more keys: they go first */
+                while (rest >= model->heads * ((runs[r].count + 15) / 16)) rest -= model->heads * ((runs[r++].count + 15) / 16);
+                const int64_t blocks = (runs[r].count + 15) / 16;
+                attend_block(model, step, &runs[r], rest % model->heads, blocks - 1 - rest / model->heads, qkv, out,
+                             padded, &work);
+            }
+#pragma omp atomic
+            status |= ready ? 0 : -1;
+            free(work.scores);
+            free(work.weights);
+            free(work.queries);
+            free(work.masks);
+            _tile_release();
+        }
+    }
+    for (int64_t r = 0; r < count; r++) {
+        free(runs[r].seen);
+        free(runs[r].keys);
+        free(runs[r].values);
+    }
+    return status == 0 ? left : -1;
+}
+#endif
+
 static void attention(const Model *model, const Layer *layer, const Step *step, const float *qkv, float *out,
-                      float *scratch) {
-    if (model->kv_bf16) attention_impl(model, layer, step, qkv, out, scratch, 1);
-    else attention_impl(model, layer, step, qkv, out, scratch, 0);
+                      float *scratch, int64_t *todo) {
+    int64_t count = step->tokens;
+    const int64_t *listed = NULL;
+#ifdef HAVE_AMX
+    const int64_t dim = model->head_dim;
+    if (step->prompt && step->tokens >= PREFILL_ROWS && model->kv_bf16 && (dim == 64 || dim == 128) && amx_on()) {
+        const int64_t left = attend_runs(model, layer, step, qkv, out, todo);
+        if (left >= 0) count = left, listed = todo;
+    }
+#endif
+    if (count == 0) return;
+    if (model->kv_bf16) attention_impl(model, layer, step, qkv, out, scratch, listed, count, 1);
+    else attention_impl(model, layer, step, qkv, out, scratch, listed, count, 0);
 }
 
 /* out[i] = silu(gate[i]) * up[i] for one token's MLP (`size` a multiple of 16). */
@@ -832,15 +1084,17 @@ int polylane_forward(const Model *model, const Step *step, float *hidden, float 
     Scratch scratch;
     const int scratch_status = scratch_alloc(&scratch, rows, widest);
     float *scores = malloc(sizeof(float) * (size_t)(step->threads * (model->heads / model->kv_heads) * step->context_len));
+    int64_t *todo = malloc(sizeof(int64_t) * (size_t)(t + 1));
     int status = 0;
-    if (!normed || !wide || !narrow || !residual || scratch_status || !scores) {
+    if (!normed || !wide || !narrow || !residual || scratch_status || !scores || !todo) {
         status = -1;
         goto done;
     }
     for (int64_t l = 0; l < model->num_layers; l++) {
         const Layer *layer = &model->layers[l];
-        rms_norm(hidden, layer->input_norm, t, e, model->eps, normed);
+        rms_norm(hidden, layer->input_norm, t, e, model->eps, normed, step->threads);
         matmul(&layer->qkv, normed, t, wide, &scratch, step->threads, step->prompt);
+#pragma omp parallel for num_threads(step->threads) schedule(static) if (t >= PARALLEL_ROWS)
         for (int64_t i = 0; i < t; i++) {
             float *row = wide + i * qkv_width;
             const float *rotation = step->rotations + i * dim;
@@ -854,18 +1108,19 @@ int polylane_forward(const Model *model, const Step *step, float *hidden, float 
                        sizeof(float) * (size_t)kv_width);
             }
         }
-        attention(model, layer, step, wide, narrow, scores);
+        attention(model, layer, step, wide, narrow, scores, todo);
         matmul(&layer->o, narrow, t, residual, &scratch, step->threads, step->prompt);
-        for (int64_t i = 0; i < t * e; i++) hidden[i] += residual[i];
-        rms_norm(hidden, layer->post_norm, t, e, model->eps, normed);
+        add_rows(hidden, residual, t, e, step->threads);
+        rms_norm(hidden, layer->post_norm, t, e, model->eps, normed, step->threads);
         matmul(&layer->gate_up, normed, t, wide, &scratch, step->threads, step->prompt);
+#pragma omp parallel for num_threads(step->threads) schedule(static) if (t >= PARALLEL_ROWS)
         for (int64_t i = 0; i < t; i++)
             gated_silu(wide + i * 2 * inter, wide + i * 2 * inter + inter, inter, narrow + i * inter);
         matmul(&layer->down, narrow, t, residual, &scratch, step->threads, step->prompt);
-        for (int64_t i = 0; i < t * e; i++) hidden[i] += residual[i];
+        add_rows(hidden, residual, t, e, step->threads);
     }
     for (int64_t r = 0; r < step->num_logits; r++)
-        rms_norm(hidden + step->logit_rows[r] * e, model->final_norm, 1, e, model->eps, normed + r * e);
+        rms_norm(hidden + step->logit_rows[r] * e, model->final_norm, 1, e, model->eps, normed + r * e, 1);
     matmul(&model->lm_head, normed, step->num_logits, logits, &scratch, step->threads, step->prompt);
 done:
     free(normed);
@@ -874,6 +1129,7 @@ done:
     free(residual);
     scratch_free(&scratch);
     free(scores);
+    free(todo);
     return status;
 }
 
