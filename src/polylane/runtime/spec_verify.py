@@ -23,7 +23,7 @@ import torch
 from polylane.policy.spec_accept import Acceptance, accept_greedy, accept_sampled
 from polylane.policy.spec_tree import DraftTree
 from polylane.runtime.model_kv import Extend, KVSequence, ModelKV
-from polylane.runtime.sampler import RequestSampler
+from polylane.runtime.sampler import RequestSampler, greedy_tokens
 
 
 class TensorDistribution:
@@ -93,7 +93,7 @@ def accept_rows(
     greedy_choices: the rows' argmaxes when the caller computed them for a whole batch.
     """
     if sampler.greedy:
-        choices = greedy_choices if greedy_choices is not None else rows.argmax(dim=-1).tolist()
+        choices = greedy_choices if greedy_choices is not None else greedy_tokens(rows)
         return accept_greedy(tree.parents, tree.token_ids, choices[0], choices[1:])
     cache: dict[int, TensorDistribution] = {}
 
