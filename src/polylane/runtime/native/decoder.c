@@ -44,6 +44,19 @@
 /* Forwards of this many tokens or more run their per-token work (norms, RoPE, KV writes,
  * residuals, activation rounding) on all threads; fewer stay on one (no fork per op). */
 #define PARALLEL_ROWS 32
+
+/* `for (m = 0; m < rows; m++) body` on all `threads` (a name in scope) from PARALLEL_ROWS rows,
+ * else on this thread alone without entering OpenMP: a parallel region costs ~0.4 us even when
+ * its `if` clause keeps it on one thread, and a decode step runs ~300 of these loops. */
+#define EACH_ROW(m, rows, ...)                                                    \
+    do {                                                                          \
+        if ((rows) >= PARALLEL_ROWS) {                                            \
+            _Pragma("omp parallel for num_threads(threads) schedule(static)")     \
+            for (int64_t m = 0; m < (rows); m++) __VA_ARGS__;                     \
+        } else {                                                                  \
+            for (int64_t m = 0; m < (rows); m++) __VA_ARGS__;                     \
+        }                                                                         \
+    } while (0)
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
 #endif
@@ -97,20 +110,18 @@ int polylane_supported(void) {
 
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 
-/* Activations of M rows as bf16 column pairs (M, K/2) and their bf16 sums per group (M, K/32). */
-static void prepare_rows(const float *x, int64_t rows, int64_t k, uint16_t *x16, float *group_sums, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= PARALLEL_ROWS)
-    for (int64_t m = 0; m < rows; m++)
-        for (int64_t g = 0; g < k / GROUP; g++) {
-            const int64_t i = m * k + g * GROUP;
-            const __m256i low = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
-            const __m256i high = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i + 16));
-            _mm256_storeu_si256((__m256i *)(x16 + i), low);
-            _mm256_storeu_si256((__m256i *)(x16 + i + 16), high);
-            const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(low), 16)),
-                                             _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(high), 16)));
-            group_sums[m * (k / GROUP) + g] = _mm512_reduce_add_ps(sum);
-        }
+/* One row of activations (K) as bf16 column pairs and its bf16 sums per group (K/32). */
+static void prepare_row(const float *x, int64_t k, uint16_t *x16, float *group_sums) {
+    for (int64_t g = 0; g < k / GROUP; g++) {
+        const int64_t i = g * GROUP;
+        const __m256i low = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
+        const __m256i high = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i + 16));
+        _mm256_storeu_si256((__m256i *)(x16 + i), low);
+        _mm256_storeu_si256((__m256i *)(x16 + i + 16), high);
+        const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(low), 16)),
+                                         _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(high), 16)));
+        group_sums[g] = _mm512_reduce_add_ps(sum);
+    }
 }
 
 /* Unpack the 64 bytes of one column pair of a 64-row block into four vectors of bf16 pairs
@@ -577,7 +588,8 @@ static void matmul(const Matrix *w, const float *x, int64_t rows, float *y, cons
     const int64_t blocks = w->out_features / 64;
     const uint32_t *x_pairs = (const uint32_t *)scratch->x16;
     const int dense32 = w->kind == FP32 || w->kind == FP32_INPUT_MAJOR;
-    if (!dense32) prepare_rows(x, rows, w->in_features, scratch->x16, scratch->sums, threads);
+    const int64_t k = w->in_features;
+    if (!dense32) EACH_ROW(m, rows, prepare_row(x + m * k, k, scratch->x16 + m * k, scratch->sums + m * (k / GROUP)));
     const int amx = amx_on();
 #ifdef HAVE_AMX
     if (amx && !dense32) {
@@ -629,24 +641,12 @@ int polylane_kernel(void) {
     return 1;
 }
 
-static void rms_norm(const float *x, const float *weight, int64_t rows, int64_t size, float eps, float *y,
-                     int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= PARALLEL_ROWS)
-    for (int64_t m = 0; m < rows; m++) {
-        const float *row = x + m * size;
-        float sum = 0.0f;
+static void rms_norm(const float *row, const float *weight, int64_t size, float eps, float *y) {
+    float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < size; i++) sum += row[i] * row[i];
-        const float inv = 1.0f / sqrtf(sum / (float)size + eps);
-        for (int64_t i = 0; i < size; i++) y[m * size + i] = row[i] * inv * weight[i];
-    }
-}
-
-/* x (rows, size) += y. */
-static void add_rows(float *x, const float *y, int64_t rows, int64_t size, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= PARALLEL_ROWS)
-    for (int64_t m = 0; m < rows; m++)
-        for (int64_t i = m * size; i < (m + 1) * size; i++) x[i] += y[i];
+    for (int64_t i = 0; i < size; i++) sum += row[i] * row[i];
+    const float inv = 1.0f / sqrtf(sum / (float)size + eps);
+    for (int64_t i = 0; i < size; i++) y[i] = row[i] * inv * weight[i];
 }
 
 /* Rotate interleaved (even, odd) pairs of `heads` heads of one token by its (cos, sin) table. */
@@ -706,6 +706,19 @@ static inline __m512 sum16(const __m512 v[16]) {
                                     _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
     return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* One token's QKV row: RoPE on its query and key heads, then its K and V into cache slot `slot`. */
+static void rotate_and_store(const Model *model, const Layer *layer, float *row, const float *rotation, int64_t slot) {
+    const int64_t dim = model->head_dim, q_width = model->heads * dim, kv_width = model->kv_heads * dim;
+    rotate(row, model->heads + model->kv_heads, dim, rotation);
+    if (model->kv_bf16) {
+        store_bf16(row + q_width, kv_width, (uint16_t *)layer->keys + slot * kv_width);
+        store_bf16(row + q_width + kv_width, kv_width, (uint16_t *)layer->values + slot * kv_width);
+    } else {
+        memcpy((float *)layer->keys + slot * kv_width, row + q_width, sizeof(float) * (size_t)kv_width);
+        memcpy((float *)layer->values + slot * kv_width, row + q_width + kv_width, sizeof(float) * (size_t)kv_width);
+    }
 }
 
 /* out (T, H * D): each token's query heads over the keys it may see, one KV head's group at a
@@ -1070,6 +1083,7 @@ static void gated_silu(const float *gate, const float *up, int64_t size, float *
 /* Run every layer over `hidden` (T, E) in place, then the final norm and output projection of the
  * rows `step->logit_rows` into `logits` (R, V). Returns 0, or -1 when scratch memory ran out. */
 int polylane_forward(const Model *model, const Step *step, float *hidden, float *logits) {
+    const int threads = step->threads;
     const int64_t t = step->tokens, e = model->hidden, dim = model->head_dim;
     const int64_t q_width = model->heads * dim, kv_width = model->kv_heads * dim;
     const int64_t qkv_width = q_width + 2 * kv_width, inter = model->intermediate;
@@ -1092,36 +1106,21 @@ int polylane_forward(const Model *model, const Step *step, float *hidden, float 
     }
     for (int64_t l = 0; l < model->num_layers; l++) {
         const Layer *layer = &model->layers[l];
-        rms_norm(hidden, layer->input_norm, t, e, model->eps, normed, step->threads);
-        matmul(&layer->qkv, normed, t, wide, &scratch, step->threads, step->prompt);
-#pragma omp parallel for num_threads(step->threads) schedule(static) if (t >= PARALLEL_ROWS)
-        for (int64_t i = 0; i < t; i++) {
-            float *row = wide + i * qkv_width;
-            const float *rotation = step->rotations + i * dim;
-            rotate(row, model->heads + model->kv_heads, dim, rotation);
-            if (model->kv_bf16) {
-                store_bf16(row + q_width, kv_width, (uint16_t *)layer->keys + step->slots[i] * kv_width);
-                store_bf16(row + q_width + kv_width, kv_width, (uint16_t *)layer->values + step->slots[i] * kv_width);
-            } else {
-                memcpy((float *)layer->keys + step->slots[i] * kv_width, row + q_width, sizeof(float) * (size_t)kv_width);
-                memcpy((float *)layer->values + step->slots[i] * kv_width, row + q_width + kv_width,
-                       sizeof(float) * (size_t)kv_width);
-            }
-        }
+        EACH_ROW(i, t, rms_norm(hidden + i * e, layer->input_norm, e, model->eps, normed + i * e));
+        matmul(&layer->qkv, normed, t, wide, &scratch, threads, step->prompt);
+        EACH_ROW(i, t, rotate_and_store(model, layer, wide + i * qkv_width, step->rotations + i * dim, step->slots[i]));
         attention(model, layer, step, wide, narrow, scores, todo);
-        matmul(&layer->o, narrow, t, residual, &scratch, step->threads, step->prompt);
-        add_rows(hidden, residual, t, e, step->threads);
-        rms_norm(hidden, layer->post_norm, t, e, model->eps, normed, step->threads);
-        matmul(&layer->gate_up, normed, t, wide, &scratch, step->threads, step->prompt);
-#pragma omp parallel for num_threads(step->threads) schedule(static) if (t >= PARALLEL_ROWS)
-        for (int64_t i = 0; i < t; i++)
-            gated_silu(wide + i * 2 * inter, wide + i * 2 * inter + inter, inter, narrow + i * inter);
-        matmul(&layer->down, narrow, t, residual, &scratch, step->threads, step->prompt);
-        add_rows(hidden, residual, t, e, step->threads);
+        matmul(&layer->o, narrow, t, residual, &scratch, threads, step->prompt);
+        EACH_ROW(i, t, for (int64_t j = i * e; j < (i + 1) * e; j++) hidden[j] += residual[j]);
+        EACH_ROW(i, t, rms_norm(hidden + i * e, layer->post_norm, e, model->eps, normed + i * e));
+        matmul(&layer->gate_up, normed, t, wide, &scratch, threads, step->prompt);
+        EACH_ROW(i, t, gated_silu(wide + i * 2 * inter, wide + i * 2 * inter + inter, inter, narrow + i * inter));
+        matmul(&layer->down, narrow, t, residual, &scratch, threads, step->prompt);
+        EACH_ROW(i, t, for (int64_t j = i * e; j < (i + 1) * e; j++) hidden[j] += residual[j]);
     }
     for (int64_t r = 0; r < step->num_logits; r++)
-        rms_norm(hidden + step->logit_rows[r] * e, model->final_norm, 1, e, model->eps, normed + r * e, 1);
-    matmul(&model->lm_head, normed, step->num_logits, logits, &scratch, step->threads, step->prompt);
+        rms_norm(hidden + step->logit_rows[r] * e, model->final_norm, e, model->eps, normed + r * e);
+    matmul(&model->lm_head, normed, step->num_logits, logits, &scratch, threads, step->prompt);
 done:
     free(normed);
     free(wide);
