@@ -24,7 +24,8 @@
  * row's sums run in one fixed order), so a verify pass gives a token exactly the logits a decode
  * step would, and a sequence's tokens do not depend on which others share its steps: speculation
  * stays lossless against these kernels. The one exception is a long prompt (PREFILL_ROWS tokens
- * or more, no verify rows in the forward): its int4 products use bf16-rounded weights.
+ * or more, no verify rows in the forward): its int4 products use bf16-rounded weights, and its
+ * runs of 16+ tokens of one sequence attend on AMX tiles with bf16-rounded queries and weights.
  */
 #define _GNU_SOURCE
 #include <immintrin.h>
@@ -721,13 +722,15 @@ static void rotate_and_store(const Model *model, const Layer *layer, float *row,
     }
 }
 
-/* out (T, H * D): each token's query heads over the keys it may see, one KV head's group at a
- * time (grouped-query attention without repeating K/V). Head sizes are multiples of 16 (checked
- * in Python); `scratch` holds a group's scores per thread (threads * group * C floats). */
+/* 16 keys or values of a cache row from `offset`, as float32 (the cache holds bf16 or float32). */
 static inline __attribute__((always_inline)) __m512 load_kv(const void *row, int64_t offset, const int bf16) {
     return bf16 ? load_bf16((const uint16_t *)row + offset) : _mm512_loadu_ps((const float *)row + offset);
 }
 
+/* out (T, H * D): each token's query heads over the keys it may see, one KV head's group at a
+ * time (grouped-query attention without repeating K/V), for the `count` tokens listed in `todo`
+ * (NULL: tokens 0 .. count - 1). Head sizes are multiples of 16 (checked in Python); `scratch`
+ * holds a group's scores per thread (threads * group * C floats). */
 static inline __attribute__((always_inline)) void attention_impl(const Model *model, const Layer *layer,
                                                                  const Step *step, const float *qkv, float *out,
                                                                  float *scratch, const int64_t *todo,
@@ -1054,6 +1057,8 @@ static int64_t attend_runs(const Model *model, const Layer *layer, const Step *s
 }
 #endif
 
+/* The step's attention: long prompt runs on tiles where they may (attend_runs), every other token
+ * with the per-token loop; `todo` has room for T token indices. */
 static void attention(const Model *model, const Layer *layer, const Step *step, const float *qkv, float *out,
                       float *scratch, int64_t *todo) {
     int64_t count = step->tokens;
