@@ -33,12 +33,16 @@ if TYPE_CHECKING:
 
 # Batches of this many tokens or more run on torch, by the weights' kind (the smallest over a
 # model's projections): from there torch wins (SmolLM2 prefill, tokens/s native vs torch). int4:
-# 1,619 vs 1,276 at 511 tokens (`bench/native_step.py --prefill 511`), 952 vs 1,331 at 1,024 (a
-# scratch timing; the C attention is a loop per query token, quadratic in a long prompt). bf16:
+# prompts attend on AMX tiles, so native stays ahead at every size measured — 3,742 vs 881 at 511
+# tokens, 2,954 vs 1,123 at 1,024, 2,034 vs 1,006 at 2,048 (`bench/native_step.py --prefill 511 1024
+# 2048`); the cap bounds the per-forward scratch (T × 2I floats, ~50 MB at 4,096 tokens). bf16:
 # 1,656 vs 1,295 at 64, 1,670 vs 1,817 at 127 (`python bench/native_step.py --dtype bf16 --prefill
 # 64 127`, oneDNN's AMX GEMMs). float32 has no matrix unit: from a few rows MKL's GEMMs win.
 INT4, BF16, FP32, FP32_INPUT_MAJOR = 0, 1, 2, 3
-MAX_TOKENS = {INT4: 640, BF16: 96, FP32: 8, FP32_INPUT_MAJOR: 8}
+MAX_TOKENS = {INT4: 4096, BF16: 96, FP32: 8, FP32_INPUT_MAJOR: 8}
+# Without AMX (AVX512-BF16 dot products, no tile attention) int4 prompts gain nothing from ~128
+# tokens on: 585 vs 587 tokens/s at 127, 505 vs 881 at 511 (the same command's avx512-bf16 column).
+MAX_TOKENS_WITHOUT_AMX = {**MAX_TOKENS, INT4: 128}
 # The C attention holds a head's output in registers, 16 floats each.
 MAX_HEAD_DIM = 128
 
@@ -236,7 +240,8 @@ class NativeStack:
         self._keep.append(final_norm)
         lm_head = _output_matrix(model, self._keep)
         kinds.add(lm_head.kind)
-        self.max_tokens = min(MAX_TOKENS[kind] for kind in kinds)
+        limits = MAX_TOKENS if kernel_name() == "amx" else MAX_TOKENS_WITHOUT_AMX
+        self.max_tokens = min(limits[kind] for kind in kinds)
         self._layers = layers
         self._model = Model(
             num_layers=config.num_layers,
