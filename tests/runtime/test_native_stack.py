@@ -170,12 +170,7 @@ def test_prompt_runs_on_tiles_agree_with_the_torch_path(load_real_model):
             positions = {name: position + 1 for name, position in positions.items()}
         return torch.cat(rows)
 
-    fast = run()
-    stack, module.native_stack = module.native_stack, None
-    try:
-        reference = run()
-    finally:
-        module.native_stack = stack
+    fast, reference = _native_and_torch(module, run)
     top1 = (fast.argmax(-1) == reference.argmax(-1)).float().mean().item()
     mean_abs = (fast - reference).abs().mean().item()
     min_top1, max_mean_abs = AGREEMENT["int4"]
@@ -186,6 +181,16 @@ def _native(model):
     if model.module.native_stack is None:
         pytest.skip("the native int4 stack does not run on this machine")
     return model.module
+
+
+def _native_and_torch(module, run):
+    """`run()` on the native stack, then on the torch path (the stack set aside meanwhile)."""
+    fast = run()
+    stack, module.native_stack = module.native_stack, None
+    try:
+        return fast, run()
+    finally:
+        module.native_stack = stack
 
 
 def _forward(module, cache, chunks):
@@ -218,12 +223,7 @@ def test_native_stack_agrees_with_the_torch_path(load_real_model, name, dtype):
         batch.logit_rows = torch.arange(len(ids))
         return module(batch, cache)
 
-    fast = all_logits()
-    stack, module.native_stack = module.native_stack, None
-    try:
-        reference = all_logits()
-    finally:
-        module.native_stack = stack
+    fast, reference = _native_and_torch(module, all_logits)
     top1 = (fast.argmax(-1) == reference.argmax(-1)).float().mean().item()
     in_top5 = (reference.topk(5, -1).indices == fast.argmax(-1, keepdim=True)).any(-1).float().mean().item()
     mean_abs = (fast - reference).abs().mean().item()

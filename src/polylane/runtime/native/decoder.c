@@ -272,7 +272,8 @@ static void configure_tiles(int64_t rows) {
 }
 
 /* Tiles 0-3 += a group of x (16 column pairs of each row, rows `stride` bytes apart) times four
- * 16 × 16-pair weight tiles, laid out one after another from `weight_tiles` (1 KiB each). */
+ * 16 × 16-pair weight tiles, laid out one after another from `weight_tiles` (1 KiB each). (The
+ * prompt attention's P V uses it too: softmax weights of 32 keys times four value tiles.) */
 static inline void group_tile_products(const uint32_t *x, int64_t stride, const void *weight_tiles) {
     const uint8_t *w = weight_tiles;
     _tile_loadd(4, x, stride);
@@ -963,16 +964,9 @@ static void attend_block(const Model *model, const Step *step, const Run *run, i
             int any = 0;
             for (int64_t i = 0; i < rows; i++) any |= masks[i * key_blocks + j] | masks[i * key_blocks + j + 1];
             if (!any) continue;
-            const uint32_t *v = values + ((j / 2) * (dim / 16) + d0 / 16) * 256;
-            _tile_loadd(4, weights + 16 * j, padded * 2);
-            _tile_loadd(5, v, 64);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_loadd(6, v + 256, 64);
-            _tile_dpbf16ps(1, 4, 6);
-            _tile_loadd(7, v + 512, 64);
-            _tile_dpbf16ps(2, 4, 7);
-            _tile_loadd(5, v + 768, 64);
-            _tile_dpbf16ps(3, 4, 5);
+            /* 32 keys' weights of the 16 rows times four 16-dim value tiles */
+            group_tile_products((const uint32_t *)(weights + 16 * j), padded * 2,
+                                values + ((j / 2) * (dim / 16) + d0 / 16) * 256);
         }
         _tile_stored(0, sums[0], 256);
         _tile_stored(1, sums[0] + 16, 256);
