@@ -728,6 +728,36 @@ static inline __attribute__((always_inline)) __m512 load_kv(const void *row, int
     return bf16 ? load_bf16((const uint16_t *)row + offset) : _mm512_loadu_ps((const float *)row + offset);
 }
 
+/* o[h] = inverse[h] · Σ_c weights[h][c] · V[c] for `count` (<= 4) query heads of one KV group at
+ * once, each value row (`vectors` × 16 dims at `values` + slot · `row_bytes`) read once; a key
+ * all the heads weigh 0 (unseen) is skipped. Each head's sum runs over c in order, as alone. */
+static inline __attribute__((always_inline)) void value_sums(const float *weights, int64_t context,
+                                                             const int64_t *slots, const char *values,
+                                                             int64_t row_bytes, const int64_t count,
+                                                             const int64_t vectors, const int bf16,
+                                                             const float *inverse, float *o) {
+    const int64_t dim = 16 * vectors;
+    __m512 acc[4][8];
+    for (int64_t h = 0; h < count; h++)
+        for (int64_t v = 0; v < vectors; v++) acc[h][v] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < context; c++) {
+        int any = 0;
+        for (int64_t h = 0; h < count; h++) any |= weights[h * context + c] != 0.0f;
+        if (!any) continue;
+        const char *value = values + slots[c] * row_bytes;
+        if (c + 8 < context)
+            for (int64_t b = 0; b < dim * (bf16 ? 2 : 4); b += 64) _mm_prefetch(values + slots[c + 8] * row_bytes + b, _MM_HINT_T0);
+        for (int64_t v = 0; v < vectors; v++) {
+            const __m512 x = load_kv(value, 16 * v, bf16);
+            for (int64_t h = 0; h < count; h++)
+                acc[h][v] = _mm512_fmadd_ps(_mm512_set1_ps(weights[h * context + c]), x, acc[h][v]);
+        }
+    }
+    for (int64_t h = 0; h < count; h++)
+        for (int64_t v = 0; v < vectors; v++)
+            _mm512_storeu_ps(o + h * dim + 16 * v, _mm512_mul_ps(acc[h][v], _mm512_set1_ps(inverse[h])));
+}
+
 /* out (T, H * D): each token's query heads over the keys it may see, one KV head's group at a
  * time (grouped-query attention without repeating K/V), for the `count` tokens listed in `todo`
  * (NULL: tokens 0 .. count - 1). Head sizes are multiples of 16 (checked in Python); `scratch`
@@ -784,10 +814,15 @@ static inline __attribute__((always_inline)) void attention_impl(const Model *mo
                     }
                 }
                 float *o = out + t * heads * dim + kvh * group * dim;
+                float inverse[group];
                 for (int64_t g = 0; g < group; g++) {
                     float *row = scores + g * context;
-                    float best = -INFINITY;
-                    for (int64_t c = 0; c < context; c++) best = row[c] > best ? row[c] : best;
+                    __m512 top = _mm512_set1_ps(-INFINITY);
+                    for (int64_t c = 0; c < context; c += 16) {
+                        const __mmask16 lanes = context - c >= 16 ? 0xffff : (__mmask16)((1u << (context - c)) - 1);
+                        top = _mm512_mask_max_ps(top, lanes, top, _mm512_maskz_loadu_ps(lanes, row + c));
+                    }
+                    const float best = _mm512_reduce_max_ps(top);
                     /* softmax numerators in place; masked keys (-inf) become exactly 0 */
                     __m512 total = _mm512_setzero_ps();
                     for (int64_t c = 0; c < context; c += 16) {
@@ -798,21 +833,19 @@ static inline __attribute__((always_inline)) void attention_impl(const Model *mo
                         _mm512_mask_storeu_ps(row + c, lanes, e);
                         total = _mm512_add_ps(total, e);
                     }
-                    const float inv = 1.0f / _mm512_reduce_add_ps(total);
-                    __m512 acc[8];
-                    for (int64_t v = 0; v < vectors; v++) acc[v] = _mm512_setzero_ps();
-                    for (int64_t c = 0; c < context; c++) {
-                        if (row[c] == 0.0f) continue;
-                        const char *value = values + (slots[c] * kv_width + kvh * dim) * element;
-                        if (c + 8 < context)
-                            for (int64_t b = 0; b < dim * element; b += 64)
-                                _mm_prefetch(values + (slots[c + 8] * kv_width + kvh * dim) * element + b, _MM_HINT_T0);
-                        const __m512 p = _mm512_set1_ps(row[c]);
-                        for (int64_t v = 0; v < vectors; v++)
-                            acc[v] = _mm512_fmadd_ps(p, load_kv(value, 16 * v, bf16), acc[v]);
-                    }
-                    for (int64_t v = 0; v < vectors; v++)
-                        _mm512_storeu_ps(o + g * dim + 16 * v, _mm512_mul_ps(acc[v], _mm512_set1_ps(inv)));
+                    inverse[g] = 1.0f / _mm512_reduce_add_ps(total);
+                }
+                const char *head_values = values + kvh * dim * element;
+                for (int64_t g = 0; g < group; g += 4) { /* each value row read once for up to 4 heads */
+                    const int64_t count = group - g < 4 ? group - g : 4;
+                    const float *weights = scores + g * context;
+                    if (vectors == 4 && count == 3)
+                        value_sums(weights, context, slots, head_values, kv_width * element, 3, 4, bf16, inverse + g, o + g * dim);
+                    else if (vectors == 4)
+                        value_sums(weights, context, slots, head_values, kv_width * element, count, 4, bf16, inverse + g, o + g * dim);
+                    else
+                        value_sums(weights, context, slots, head_values, kv_width * element, count, vectors, bf16, inverse + g,
+                                   o + g * dim);
                 }
             }
         }
