@@ -937,35 +937,37 @@ static void attend_block(const Model *model, const Step *step, const Run *run, i
         _tile_loadd(4, queries + 64, dim * 2);
         _tile_loadd(5, queries + 96, dim * 2);
     }
-    /* scores, two key blocks at a time (two independent sums); blocks no row sees are skipped */
+    /* which pairs of key blocks (32 keys) some row sees: the others are skipped below, twice */
+    uint8_t seen_pair[key_blocks / 2];
     for (int64_t j = 0; j < key_blocks; j += 2) {
         int any = 0;
         for (int64_t i = 0; i < rows; i++) any |= masks[i * key_blocks + j] | masks[i * key_blocks + j + 1];
-        if (!any) continue;
+        seen_pair[j / 2] = any != 0;
+    }
+    /* scores, two key blocks at a time (two independent sums): tiles 0 and 1 += query tile q times
+     * the two blocks' key tiles for the same 32 dims (`offset` into each block's tiles) */
+#define KEY_PAIR_PRODUCTS(q, offset)          \
+    do {                                      \
+        _tile_loadd(6, k0 + (offset), 64);    \
+        _tile_dpbf16ps(0, q, 6);              \
+        _tile_loadd(7, k1 + (offset), 64);    \
+        _tile_dpbf16ps(1, q, 7);              \
+    } while (0)
+    for (int64_t j = 0; j < key_blocks; j += 2) {
+        if (!seen_pair[j / 2]) continue;
         const uint32_t *k0 = keys + j * chunks * 256, *k1 = k0 + chunks * 256;
         _tile_zero(0);
         _tile_zero(1);
-        _tile_loadd(6, k0, 64);
-        _tile_dpbf16ps(0, 2, 6);
-        _tile_loadd(7, k1, 64);
-        _tile_dpbf16ps(1, 2, 7);
-        _tile_loadd(6, k0 + 256, 64);
-        _tile_dpbf16ps(0, 3, 6);
-        _tile_loadd(7, k1 + 256, 64);
-        _tile_dpbf16ps(1, 3, 7);
+        KEY_PAIR_PRODUCTS(2, 0);
+        KEY_PAIR_PRODUCTS(3, 256);
         if (chunks > 2) {
-            _tile_loadd(6, k0 + 512, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, k1 + 512, 64);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_loadd(6, k0 + 768, 64);
-            _tile_dpbf16ps(0, 5, 6);
-            _tile_loadd(7, k1 + 768, 64);
-            _tile_dpbf16ps(1, 5, 7);
+            KEY_PAIR_PRODUCTS(4, 512);
+            KEY_PAIR_PRODUCTS(5, 768);
         }
         _tile_stored(0, scores + 16 * j, padded * 4);
         _tile_stored(1, scores + 16 * j + 16, padded * 4);
     }
+#undef KEY_PAIR_PRODUCTS
     /* softmax numerators as bf16 (unseen keys exactly 0) and each row's 1 / sum */
     float inverse[16];
     const __m512 scale = _mm512_set1_ps(model->scale);
@@ -994,9 +996,7 @@ static void attend_block(const Model *model, const Step *step, const Run *run, i
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t j = 0; j < key_blocks; j += 2) {
-            int any = 0;
-            for (int64_t i = 0; i < rows; i++) any |= masks[i * key_blocks + j] | masks[i * key_blocks + j + 1];
-            if (!any) continue;
+            if (!seen_pair[j / 2]) continue;
             /* 32 keys' weights of the 16 rows times four 16-dim value tiles */
             group_tile_products((const uint32_t *)(weights + 16 * j), padded * 2,
                                 values + ((j / 2) * (dim / 16) + d0 / 16) * 256);
