@@ -271,6 +271,14 @@ static void configure_tiles(int64_t rows) {
     _tile_loadconfig(&config);
 }
 
+/* Tiles 0-3, the float32 sums of four 16-column slices, set to zero. */
+static inline void zero_sum_tiles(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
 /* Tiles 0-3 += a group of x (16 column pairs of each row, rows `stride` bytes apart) times four
  * 16 × 16-pair weight tiles, laid out one after another from `weight_tiles` (1 KiB each). (The
  * prompt attention's P V uses it too: softmax weights of 32 keys times four value tiles.) */
@@ -322,10 +330,7 @@ static void int4_block_amx(const Matrix *w, const uint32_t *x_pairs, const float
         for (int64_t m0 = 0; m0 < rows; m0 += 16) {
             const int64_t count = rows - m0 < 16 ? rows - m0 : 16;
             if (count != configured) configure_tiles(configured = count);
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            zero_sum_tiles();
             group_tile_products(x_pairs + m0 * pairs + first, pairs * 4, tiles);
             _tile_stored(0, products[0], 64);
             _tile_stored(1, products[1], 64);
@@ -375,10 +380,7 @@ static void int4_block_amx_prefill(const Matrix *w, const uint32_t *x_pairs, int
     for (int64_t m0 = 0; m0 < rows; m0 += 16) {
         const int64_t count = rows - m0 < 16 ? rows - m0 : 16;
         if (count != configured) configure_tiles(configured = count);
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        zero_sum_tiles();
         for (int64_t g = 0; g < groups; g++) {
             group_tile_products(x_pairs + m0 * pairs + g * (GROUP / 2), pairs * 4, tiles + g * 4 * 256);
         }
@@ -417,10 +419,7 @@ static void bf16_block_amx(const Matrix *w, const uint32_t *x_tiles, int64_t row
         const int64_t count = rows - m0 < 16 ? rows - m0 : 16;
         if (count != configured) configure_dense_tiles(configured = count);
         const uint32_t *chunk = x_tiles + (m0 / 16) * groups * 256;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        zero_sum_tiles();
         for (int64_t g = 0; g < groups; g++) {
             if (g + 4 < groups) /* 64 row streams: fetch each a few groups ahead */
                 for (int r = 0; r < 64; r++) _mm_prefetch((const char *)(base + r * k + (g + 4) * GROUP), _MM_HINT_T0);
@@ -991,10 +990,7 @@ static void attend_block(const Model *model, const Step *step, const Run *run, i
     /* O = P V, 64 dims (four tiles) at a time over 32 keys at a time */
     __attribute__((aligned(64))) float sums[16][64];
     for (int64_t d0 = 0; d0 < dim; d0 += 64) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        zero_sum_tiles();
         for (int64_t j = 0; j < key_blocks; j += 2) {
             if (!seen_pair[j / 2]) continue;
             /* 32 keys' weights of the 16 rows times four 16-dim value tiles */
