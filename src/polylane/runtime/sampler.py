@@ -180,8 +180,8 @@ class RequestSampler:
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """The argmax of each row of (R, V) logits (the lower id on ties, NaN counting as largest, as
-    ``torch.argmax``). A CPU float32 batch goes through numpy: torch's CPU argmax takes ~275 µs
-    for 8 rows of a 49k vocabulary, numpy's ~20 µs, a tenth of an int4 decode step."""
+    ``torch.argmax``). A CPU float32 batch goes through numpy, whose argmax is an order of
+    magnitude faster than torch's on the CPU (docs/profile.md, "Prompt attention on tiles")."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return logits.detach().numpy().argmax(axis=-1).tolist()
     return logits.argmax(dim=-1).tolist()

@@ -47,7 +47,7 @@
 #define PARALLEL_ROWS 32
 
 /* `for (m = 0; m < rows; m++) body` on all `threads` (a name in scope) from PARALLEL_ROWS rows,
- * else on this thread alone without entering OpenMP: a parallel region costs ~0.4 us even when
+ * else on this thread alone without entering OpenMP: a parallel region costs a team set-up even when
  * its `if` clause keeps it on one thread, and a decode step runs ~300 of these loops. */
 #define EACH_ROW(m, rows, ...)                                                    \
     do {                                                                          \
