@@ -2,7 +2,7 @@
 
 - The matrix kernels (AMX tiles and AVX512-BF16 alike) multiply bf16-rounded activations by the
   weight the packed int4 stores ((q - 8) · scale + zero, `QuantizedProjection.dequantized_float`;
-  from 128 rows on AMX, that weight rounded to bf16, `dequantized_bf16`) or by a bf16 weight,
+  for a prompt run on AMX, that weight rounded to bf16, `dequantized_bf16`) or by a bf16 weight,
   and float32 activations by a float32 weight in either layout, for any
   number of rows, bias included.
 - Batch invariance: a row's result is bit for bit the same alone or among others, in the kernel
@@ -63,19 +63,21 @@ def _projection(out_features: int, in_features: int, bias: bool, seed: int = 0) 
     return QuantizedProjection(weight, bias_values, bits=4)
 
 
+@pytest.mark.parametrize("prompt", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 40, 130])
-def test_matmul_multiplies_by_the_packed_weight(kernel, rows):
+def test_matmul_multiplies_by_the_packed_weight(kernel, rows, prompt):
     projection = _projection(192, 160, bias=True)  # three 64-row blocks, five 32-column groups
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
-    # from 128 rows (a prompt) the AMX kernel multiplies by the weight rounded to bf16, once
-    prompt_path = kernel == "amx" and rows >= 128
+    # a prompt run on AMX multiplies by the weight rounded to bf16, once
+    prompt_path = kernel == "amx" and prompt
     weight = (projection.dequantized_bf16() if prompt_path else projection.dequantized_float()).double()
     expected = x.to(torch.bfloat16).double() @ weight.t() + projection.bias.double()
-    got = native.matmul(projection, x).double()
+    got = native.matmul(projection, x, prompt).double()
     error = (got - expected).abs().max().item()
     scale = expected.abs().max().item()
     assert error <= 2e-5 * scale, (
-        f"{kernel}, {rows} rows: max error {error:.3g} against values up to {scale:.3g}"
+        f"{kernel}, {rows} rows{', a prompt run' if prompt else ''}: max error {error:.3g} against values up to"
+        f" {scale:.3g}"
     )
 
 
@@ -139,10 +141,10 @@ def test_a_long_prompt_chunk_without_logits_runs_natively(load_real_model):
 
 @needs_native
 def test_prompt_runs_on_tiles_agree_with_the_torch_path(load_real_model):
-    # one prompt step of 128+ tokens: runs of 16+ tokens of one sequence attend on AMX tiles (a
-    # 300-token prompt, a 17-token one with a 1-token last block, 150 tokens after a cached
-    # 100-token prefix), shorter ones (5 tokens) per token; then each sequence decodes 6 greedy
-    # steps, reading the KV cache the prompt step wrote
+    # one prompt step: runs of 16+ tokens of one sequence attend on AMX tiles (a 300-token prompt,
+    # a 17-token one with a 1-token last block, 150 tokens after a cached 100-token prefix), shorter
+    # ones (5 tokens) per token; then each sequence decodes 6 steps, reading the KV cache the prompt
+    # step wrote (the native run's greedy tokens, fed to both runs: a near tie must not fork them)
     model = load_real_model(SMOL, "int4")
     module = _native(model)
     ids = tuple(model.tokenizer.encode(TEXT * 8))
@@ -154,14 +156,18 @@ def test_prompt_runs_on_tiles_agree_with_the_torch_path(load_real_model):
     }
     tables = {name: tuple(range(20 * i, 20 * i + 20)) for i, name in enumerate(prompts)}
 
+    fed: list[list[int]] = []
+
     def run() -> torch.Tensor:
         cache = PagedKVCache(module.config, 20 * len(prompts), 16, model.kv_dtype)
         _forward(module, cache, [SequenceChunk(prompts["after"][0][:100], 0, tables["after"])])
         chunks = [SequenceChunk(p[start:], start, tables[name]) for name, (p, start) in prompts.items()]
         rows = [_forward(module, cache, chunks)]
         positions = {name: len(p) for name, (p, _) in prompts.items()}
-        for _ in range(6):
-            nexts = rows[-1].argmax(-1).tolist()
+        for step in range(6):
+            if len(fed) == step:
+                fed.append(rows[-1].argmax(-1).tolist())
+            nexts = fed[step]
             steps = [
                 SequenceChunk((t,), positions[name], tables[name])
                 for name, t in zip(prompts, nexts, strict=True)
@@ -275,6 +281,25 @@ def test_verify_pass_and_batched_steps_give_decode_logits_exactly(load_real_mode
     for step in range(6):
         assert torch.equal(verified[step], alone[step]), f"verify row {step} differs from its decode step"
         assert torch.equal(shared[step], alone[step]), f"batched step {step} differs from decoding alone"
+
+
+@needs_native
+def test_a_prompt_run_and_a_decode_token_do_not_change_each_other(load_real_model, kernel):
+    # a prompt run takes the prompt paths (AMX) by its own length alone: beside a decode token it
+    # gives the logits it gives alone, and the decode token those of its step alone
+    model = load_real_model(SMOL, "int4")
+    module = _native(model)
+    ids = tuple(model.tokenizer.encode(TEXT * 3))
+    cache = PagedKVCache(module.config, 16, 16, model.kv_dtype)
+    decoding, prompting = tuple(range(4)), tuple(range(4, 16))
+    _forward(module, cache, [SequenceChunk(ids[:30], 0, decoding)])
+    step = SequenceChunk((ids[30],), 30, decoding)
+    prompt = SequenceChunk(ids[:140], 0, prompting)  # (the old rule: a 128-token step is a prompt)
+    decode_alone = _forward(module, cache, [step])
+    prompt_alone = _forward(module, cache, [prompt])
+    together = _forward(module, cache, [prompt, step])
+    assert torch.equal(together[0], prompt_alone[0]), f"{kernel}: the prompt run changed beside a decode token"
+    assert torch.equal(together[1], decode_alone[0]), f"{kernel}: the decode token changed beside a prompt run"
 
 
 @pytest.mark.parametrize(("name", "dtype"), [(GEMMA, "int4"), (SMOL, "int8")])

@@ -23,9 +23,11 @@
  * Every token's arithmetic is the same whatever else is in the batch (rows never mix, and each
  * row's sums run in one fixed order), so a verify pass gives a token exactly the logits a decode
  * step would, and a sequence's tokens do not depend on which others share its steps: speculation
- * stays lossless against these kernels. The one exception is a long prompt (PREFILL_ROWS tokens
- * or more, no verify rows in the forward): its int4 products use bf16-rounded weights, and its
- * runs of 16+ tokens of one sequence attend on AMX tiles with bf16-rounded queries and weights.
+ * stays lossless against these kernels. The one exception is a prompt run on AMX: RUN_ROWS or
+ * more consecutive tokens of one sequence with at most one logit row (a prompt chunk, never a
+ * verify pass) take their int4 products with bf16-rounded weights and attend on AMX tiles with
+ * bf16-rounded queries and weights. Which path a token takes depends on its own sequence's chunk
+ * alone: decode tokens and verify passes take the exact path whatever shares their step.
  */
 #define _GNU_SOURCE
 #include <immintrin.h>
@@ -39,9 +41,9 @@
 /* How far ahead of the column pair being multiplied the weight stream is prefetched: without it
  * one-row matmuls read memory at ~10 GB/s of the ~23 two cores can stream (SmolLM2 decode step
  * 6.9 -> 4.3 ms; 1 KiB ahead gave 5.6 ms, 8 KiB 4.5 ms). */
-/* In a forward of this many tokens that is a prompt (no verify pass: Step.prompt), int4 products
- * use bf16-dequantised weight tiles on AMX (int4_block_amx_prefill). */
-#define PREFILL_ROWS 128
+/* A prompt run (see the header) has this many tokens or more: from 16 the prompt paths are about as
+ * fast as the exact ones, and faster from 20 (`bench/native_step.py --prefill 16 20 24 32`). */
+#define RUN_ROWS 16
 /* Forwards of this many tokens or more run their per-token work (norms, RoPE, KV writes,
  * residuals, activation rounding) on all threads; fewer stay on one (no fork per op). */
 #define PARALLEL_ROWS 32
@@ -98,8 +100,25 @@ typedef struct {
     int64_t num_logits;      /* R */
     const int64_t *logit_rows; /* (R,) */
     int threads;
-    int prompt; /* at most one logit row per sequence: no verify pass (see PREFILL_ROWS) */
 } Step;
+
+/* A prompt run: tokens first .. first + count - 1 of the step, all of sequence `sequence`. With
+ * attention on tiles it also carries which keys it sees and room for its packed keys and values. */
+typedef struct {
+    int64_t sequence, first, count;
+    uint8_t *seen;    /* (padded,) some token of the run sees key c */
+    uint32_t *keys;   /* per KV head, per 16 keys and 32 dims: 16 dim pairs × 16 keys */
+    uint32_t *values; /* per KV head, per 32 keys and 16 dims: 16 key pairs × 16 dims */
+} Run;
+
+/* A step's prompt runs (none where AMX is off) and the tokens outside them. */
+typedef struct {
+    int64_t count, padded; /* runs; keys per run's tiles (the context rounded up to 32) */
+    Run *runs;             /* in token order */
+    int tiles;             /* the runs attend on tiles (bf16 KV, head size 64 or 128) */
+    int64_t left;          /* tokens outside the runs, listed in `others` */
+    int64_t *others;
+} Runs;
 
 int polylane_supported(void) {
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
@@ -296,7 +315,10 @@ static inline void group_tile_products(const uint32_t *x, int64_t stride, const 
 }
 
 /* The same product as int4_block with AMX: a group's 16 column pairs unpacked into three weight
- * tiles in turn and multiplied with up to 16 rows of x at once. */
+ * tiles in turn and multiplied with up to 16 rows of x at once. The block's sums build up in a
+ * contiguous buffer of up to 64 rows and go to y once: y's rows lie N floats apart, a multiple of
+ * 4 KiB for most projections, so 16 rows of y would share one set of L1 lines and evict each
+ * other every group (16 rows took twice as long as 8). */
 static void int4_block_amx(const Matrix *w, const uint32_t *x_pairs, const float *group_sums,
                            int64_t rows, int64_t block, float *y, int64_t ldy) {
     const int64_t k = w->in_features, n = w->out_features, pairs = k / 2, groups = k / GROUP;
@@ -305,56 +327,60 @@ static void int4_block_amx(const Matrix *w, const uint32_t *x_pairs, const float
     /* two groups' unpacked weights: the next group is unpacked while the tiles multiply this one */
     __attribute__((aligned(64))) uint8_t weights[2][4][16][64];
     __attribute__((aligned(64))) float products[4][16][16];
+    __attribute__((aligned(64))) float sums[64][64];
     const uint8_t *base = (const uint8_t *)w->weight + block * pairs * 64;
-    for (int64_t m = 0; m < rows; m++) memset(y + m * ldy + block * 64, 0, 64 * sizeof(float));
-    int64_t configured = rows < 16 ? rows : 16;
-    configure_tiles(configured);
-    for (int64_t g = -1; g < groups; g++) {
-        if (g + 1 < groups) {
-            const int64_t next = (g + 1) * (GROUP / 2);
-            for (int64_t i = 0; i < GROUP / 2; i++) {
-                _mm_prefetch((const char *)(base + (next + i) * 64 + PREFETCH_BYTES), _MM_HINT_T0);
-                __m512bh unpacked[4];
-                unpack_pair(base + (next + i) * 64, pick, unpacked);
-                for (int j = 0; j < 4; j++) _mm512_store_si512(weights[(g + 1) & 1][j][i], (__m512i)unpacked[j]);
+    for (int64_t r0 = 0; r0 < rows; r0 += 64) {
+        const int64_t chunk = rows - r0 < 64 ? rows - r0 : 64;
+        memset(sums, 0, sizeof(float) * 64 * (size_t)chunk);
+        int64_t configured = chunk < 16 ? chunk : 16;
+        configure_tiles(configured);
+        for (int64_t g = -1; g < groups; g++) {
+            if (g + 1 < groups) {
+                const int64_t next = (g + 1) * (GROUP / 2);
+                for (int64_t i = 0; i < GROUP / 2; i++) {
+                    _mm_prefetch((const char *)(base + (next + i) * 64 + PREFETCH_BYTES), _MM_HINT_T0);
+                    __m512bh unpacked[4];
+                    unpack_pair(base + (next + i) * 64, pick, unpacked);
+                    for (int j = 0; j < 4; j++) _mm512_store_si512(weights[(g + 1) & 1][j][i], (__m512i)unpacked[j]);
+                }
+            }
+            if (g < 0) continue;
+            const int64_t first = g * (GROUP / 2);
+            uint8_t(*tiles)[16][64] = weights[g & 1];
+            if (g + 2 < groups)
+                for (int line = 0; line < 4; line++)
+                    _mm_prefetch((const char *)(w->scales + (g + 2) * n + block * 64 + 16 * line), _MM_HINT_T0);
+            __m512 scale[4], offset[4];
+            group_scales(w, g, block, scale, offset);
+            for (int64_t m0 = 0; m0 < chunk; m0 += 16) {
+                const int64_t count = chunk - m0 < 16 ? chunk - m0 : 16;
+                if (count != configured) configure_tiles(configured = count);
+                zero_sum_tiles();
+                group_tile_products(x_pairs + (r0 + m0) * pairs + first, pairs * 4, tiles);
+                _tile_stored(0, products[0], 64);
+                _tile_stored(1, products[1], 64);
+                _tile_stored(2, products[2], 64);
+                _tile_stored(3, products[3], 64);
+                for (int j = 0; j < 4; j++)
+                    for (int64_t m = 0; m < count; m++) {
+                        float *o = sums[m0 + m] + 16 * j;
+                        const __m512 sum_x = _mm512_set1_ps(group_sums[(r0 + m0 + m) * groups + g]);
+                        const __m512 v = _mm512_fmadd_ps(scale[j], _mm512_load_ps(products[j][m]), _mm512_load_ps(o));
+                        _mm512_store_ps(o, _mm512_fmadd_ps(offset[j], sum_x, v));
+                    }
             }
         }
-        if (g < 0) continue;
-        const int64_t first = g * (GROUP / 2);
-        uint8_t(*tiles)[16][64] = weights[g & 1];
-        if (g + 2 < groups)
-            for (int line = 0; line < 4; line++)
-                _mm_prefetch((const char *)(w->scales + (g + 2) * n + block * 64 + 16 * line), _MM_HINT_T0);
-        __m512 scale[4], offset[4];
-        group_scales(w, g, block, scale, offset);
-        for (int64_t m0 = 0; m0 < rows; m0 += 16) {
-            const int64_t count = rows - m0 < 16 ? rows - m0 : 16;
-            if (count != configured) configure_tiles(configured = count);
-            zero_sum_tiles();
-            group_tile_products(x_pairs + m0 * pairs + first, pairs * 4, tiles);
-            _tile_stored(0, products[0], 64);
-            _tile_stored(1, products[1], 64);
-            _tile_stored(2, products[2], 64);
-            _tile_stored(3, products[3], 64);
-            for (int j = 0; j < 4; j++)
-                for (int64_t m = 0; m < count; m++) {
-                    float *o = y + (m0 + m) * ldy + block * 64 + 16 * j;
-                    const __m512 sum_x = _mm512_set1_ps(group_sums[(m0 + m) * groups + g]);
-                    const __m512 v = _mm512_fmadd_ps(scale[j], _mm512_load_ps(products[j][m]), _mm512_loadu_ps(o));
-                    _mm512_storeu_ps(o, _mm512_fmadd_ps(offset[j], sum_x, v));
-                }
-        }
+        for (int64_t m = 0; m < chunk; m++) memcpy(y + (r0 + m) * ldy + block * 64, sums[m], sizeof sums[m]);
+        add_bias(w, chunk, block, y + r0 * ldy, ldy);
     }
-    add_bias(w, rows, block, y, ldy);
 }
 
-/* The int4 product for many rows (a prompt): the block's weights are dequantised once into bf16
+/* The int4 product for a prompt run, in two parts: a block's weights dequantised once into bf16
  * tiles, w = (q - 8) · scale + zero rounded to bf16 (the weight torch's dequantised path uses),
- * so each 16-row chunk of x accumulates over all of K in the tiles with no per-group fix-up.
+ * then each 16-row chunk of x accumulates over all of K in the tiles with no per-group fix-up.
  * `tiles` holds K/32 × 4 tiles of 16 × 16 pairs. Rounding the weights makes these sums differ
- * slightly from int4_block_amx's: only batches of PREFILL_ROWS or more take this path. */
-static void int4_block_amx_prefill(const Matrix *w, const uint32_t *x_pairs, int64_t rows, int64_t block,
-                                   float *y, int64_t ldy, uint32_t *tiles) {
+ * slightly from int4_block_amx's: only prompt runs take this path. */
+static void dequantise_block(const Matrix *w, int64_t block, uint32_t *tiles) {
     const int64_t k = w->in_features, pairs = k / 2, groups = k / GROUP;
     const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
     __m512i pick[2];
@@ -376,6 +402,11 @@ static void int4_block_amx_prefill(const Matrix *w, const uint32_t *x_pairs, int
             }
         }
     }
+}
+
+static void int4_block_on_tiles(const Matrix *w, const uint32_t *tiles, const uint32_t *x_pairs, int64_t rows,
+                                int64_t block, float *y, int64_t ldy) {
+    const int64_t pairs = w->in_features / 2, groups = w->in_features / GROUP;
     int64_t configured = -1;
     for (int64_t m0 = 0; m0 < rows; m0 += 16) {
         const int64_t count = rows - m0 < 16 ? rows - m0 : 16;
@@ -582,9 +613,23 @@ static int amx_on(void) {
 #endif
 }
 
-/* y (rows, N) = x (rows, K) W^T + b, float32 in and out, for any kind of weight. */
+#ifdef HAVE_AMX
+/* Rows first .. first + count - 1 of an int4 product's block on AMX: a prompt run's rows on the
+ * block's dequantised `tiles` where there are some, else with the exact kernel. */
+static void int4_rows_amx(const Matrix *w, const uint32_t *x_pairs, const float *group_sums, int64_t first,
+                          int64_t count, int64_t block, float *y, const uint32_t *tiles) {
+    if (count <= 0) return;
+    const int64_t pairs = w->in_features / 2, n = w->out_features;
+    if (tiles) int4_block_on_tiles(w, tiles, x_pairs + first * pairs, count, block, y + first * n, n);
+    else int4_block_amx(w, x_pairs + first * pairs, group_sums + first * (w->in_features / GROUP), count, block,
+                        y + first * n, n);
+}
+#endif
+
+/* y (rows, N) = x (rows, K) W^T + b, float32 in and out, for any kind of weight; int4 rows in
+ * `runs` (NULL: none) take the prompt kernel. */
 static void matmul(const Matrix *w, const float *x, int64_t rows, float *y, const Scratch *scratch, int threads,
-                   int prompt) {
+                   const Runs *runs) {
     if (rows == 0) return; /* e.g. a prompt chunk that needs no logits: no tile has zero rows */
     const int64_t blocks = w->out_features / 64;
     const uint32_t *x_pairs = (const uint32_t *)scratch->x16;
@@ -595,17 +640,27 @@ static void matmul(const Matrix *w, const float *x, int64_t rows, float *y, cons
 #ifdef HAVE_AMX
     if (amx && !dense32) {
         if (w->kind == BF16) pairs_as_tiles(x_pairs, rows, w->in_features / 2, scratch->x_tiles);
-        const int prefill = prompt && w->kind == INT4 && rows >= PREFILL_ROWS;
+        const int64_t prompt_runs = w->kind == INT4 && runs ? runs->count : 0;
 #pragma omp parallel num_threads(threads)
         {
-            uint32_t *tiles = prefill ? aligned_alloc(64, sizeof(uint32_t) * (size_t)(w->in_features / GROUP * 1024))
-                                      : NULL;
+            /* (without memory for them the runs take the exact kernel) */
+            uint32_t *tiles = prompt_runs ? aligned_alloc(64, sizeof(uint32_t) * (size_t)(w->in_features / GROUP * 1024))
+                                          : NULL;
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++) {
-                if (w->kind == INT4 && tiles != NULL)
-                    int4_block_amx_prefill(w, x_pairs, rows, b, y, w->out_features, tiles);
-                else if (w->kind == INT4) int4_block_amx(w, x_pairs, scratch->sums, rows, b, y, w->out_features);
-                else bf16_block_amx(w, scratch->x_tiles, rows, b, y, w->out_features);
+                if (w->kind == BF16) {
+                    bf16_block_amx(w, scratch->x_tiles, rows, b, y, w->out_features);
+                    continue;
+                }
+                if (tiles) dequantise_block(w, b, tiles);
+                int64_t done = 0;
+                for (int64_t r = 0; r < prompt_runs; r++) {
+                    const Run *run = &runs->runs[r];
+                    int4_rows_amx(w, x_pairs, scratch->sums, done, run->first - done, b, y, NULL);
+                    int4_rows_amx(w, x_pairs, scratch->sums, run->first, run->count, b, y, tiles);
+                    done = run->first + run->count;
+                }
+                int4_rows_amx(w, x_pairs, scratch->sums, done, rows - done, b, y, NULL);
             }
             free(tiles);
             _tile_release();
@@ -625,11 +680,14 @@ static void matmul(const Matrix *w, const float *x, int64_t rows, float *y, cons
     }
 }
 
-/* y (rows, N) = x (rows, K) W^T + b alone (for tests and benchmarks); returns -1 without memory. */
-int polylane_matmul(const Matrix *w, const float *x, int64_t rows, float *y, int threads) {
+/* y (rows, N) = x (rows, K) W^T + b alone (for tests and benchmarks), all rows one prompt run if
+ * `prompt`; returns -1 without memory. */
+int polylane_matmul(const Matrix *w, const float *x, int64_t rows, float *y, int threads, int prompt) {
     Scratch scratch;
+    Run run = {0, 0, rows, NULL, NULL, NULL};
+    const Runs runs = {prompt && amx_on() ? 1 : 0, 0, &run, 0, 0, NULL};
     int status = scratch_alloc(&scratch, rows, w->in_features);
-    if (status == 0) matmul(w, x, rows, y, &scratch, threads, 1);
+    if (status == 0) matmul(w, x, rows, y, &scratch, threads, &runs);
     scratch_free(&scratch);
     return status;
 }
@@ -852,21 +910,12 @@ static inline __attribute__((always_inline)) void attention_impl(const Model *mo
 }
 
 #ifdef HAVE_AMX
-/* Prompt attention on AMX tiles. A run of RUN_ROWS or more consecutive tokens of one sequence (a
- * prompt chunk) takes its query heads 16 tokens at a time: per KV head the run's keys and values
- * are packed once as B tiles, then per (query head, 16-token block) the scores S = Q K^T come
- * from tiles (Q rounded to bf16), the softmax is float32, and O = P V comes from tiles again (P
- * rounded to bf16). The rounding makes these tokens' outputs differ slightly from the per-token
- * loop's, so only prompts (Step.prompt) of PREFILL_ROWS tokens or more take this path, as they
- * take the int4 prompt kernel; head sizes 64 or 128. */
-#define RUN_ROWS 16
-
-typedef struct {
-    int64_t sequence, first, count; /* tokens first .. first + count - 1, all reading `sequence` */
-    uint8_t *seen;                  /* (padded,) some token of the run sees key c */
-    uint32_t *keys;   /* per KV head, per 16 keys and 32 dims: 16 dim pairs × 16 keys */
-    uint32_t *values; /* per KV head, per 32 keys and 16 dims: 16 key pairs × 16 dims */
-} Run;
+/* Prompt attention on AMX tiles. A prompt run takes its query heads 16 tokens at a time: per KV
+ * head the run's keys and values are packed once as B tiles, then per (query head, 16-token
+ * block) the scores S = Q K^T come from tiles (Q rounded to bf16), the softmax is float32, and
+ * O = P V comes from tiles again (P rounded to bf16). The rounding makes these tokens' outputs
+ * differ slightly from the per-token loop's, so only prompt runs take this path, as they take the
+ * int4 prompt kernel; head sizes 64 or 128. */
 
 /* All eight tiles 16 rows × 64 bytes: 0-3 float32 sums, 2-5 also the query tiles while scoring,
  * 4-7 weights and packed keys or values. */
@@ -1009,89 +1058,107 @@ static void attend_block(const Model *model, const Step *step, const Run *run, i
     }
 }
 
-/* The runs of RUN_ROWS or more tokens of a prompt step on tiles; the other tokens are listed in
- * `todo` for the per-token loop. Returns how many, or -1 when memory ran out (nothing done). */
-static int64_t attend_runs(const Model *model, const Layer *layer, const Step *step, const float *qkv, float *out,
-                           int64_t *todo) {
-    const int64_t tokens = step->tokens, context = step->context_len, dim = model->head_dim;
-    const int64_t padded = (context + 31) / 32 * 32, kv_width = model->kv_heads * dim;
-    const size_t pack = sizeof(uint32_t) * (size_t)(model->kv_heads * padded * dim / 2);
-    Run runs[tokens / RUN_ROWS + 1];
-    int64_t count = 0, left = 0, items = 0;
-    for (int64_t t = 0; t < tokens;) {
-        int64_t end = t + 1;
-        while (end < tokens && step->sequence[end] == step->sequence[t]) end++;
-        if (end - t >= RUN_ROWS) {
-            runs[count] = (Run){step->sequence[t], t, end - t, calloc((size_t)padded, 1), aligned_alloc(64, pack),
-                                aligned_alloc(64, pack)};
-            items += model->heads * ((end - t + 15) / 16);
-            count++;
-        } else {
-            for (int64_t i = t; i < end; i++) todo[left++] = i;
-        }
-        t = end;
-    }
+/* The step's prompt runs on tiles, this layer: each run's keys and values packed, then the 16-token
+ * blocks of every (run, query head) shared out. Returns 0, or -1 when memory ran out (the caller
+ * then computes every token with the per-token loop). */
+static int attend_runs(const Model *model, const Layer *layer, const Step *step, const Runs *runs, const float *qkv,
+                       float *out) {
+    const int64_t dim = model->head_dim, padded = runs->padded, kv_width = model->kv_heads * dim;
+    const Run *run = runs->runs;
+    int64_t items = 0;
+    for (int64_t r = 0; r < runs->count; r++) items += model->heads * ((run[r].count + 15) / 16);
     int status = 0;
-    for (int64_t r = 0; r < count; r++) {
-        Run *run = &runs[r];
-        if (!run->seen || !run->keys || !run->values) {
-            status = -1;
-            continue;
-        }
-        for (int64_t t = run->first; t < run->first + run->count; t++)
-            for (int64_t c = 0; c < context; c++) run->seen[c] |= step->visible[t * context + c];
-    }
-    if (status == 0) {
 #pragma omp parallel num_threads(step->threads)
-        {
-            configure_square_tiles();
+    {
+        configure_square_tiles();
 #pragma omp for schedule(dynamic, 1) collapse(2)
-            for (int64_t r = 0; r < count; r++)
-                for (int64_t kvh = 0; kvh < model->kv_heads; kvh++) pack_run(layer, step, &runs[r], kv_width, dim, kvh, padded);
-            BlockWork work = {aligned_alloc(64, sizeof(float) * (size_t)(16 * padded)),
-                              aligned_alloc(64, sizeof(uint16_t) * (size_t)(16 * padded)),
-                              aligned_alloc(64, sizeof(uint16_t) * (size_t)(16 * dim)),
-                              malloc(sizeof(uint16_t) * (size_t)(padded + 16))};
-            const int ready = work.scores && work.weights && work.queries && work.masks;
+        for (int64_t r = 0; r < runs->count; r++)
+            for (int64_t kvh = 0; kvh < model->kv_heads; kvh++) pack_run(layer, step, &run[r], kv_width, dim, kvh, padded);
+        BlockWork work = {aligned_alloc(64, sizeof(float) * (size_t)(16 * padded)),
+                          aligned_alloc(64, sizeof(uint16_t) * (size_t)(16 * padded)),
+                          aligned_alloc(64, sizeof(uint16_t) * (size_t)(16 * dim)),
+                          malloc(sizeof(uint16_t) * (size_t)(padded + 16))};
+        const int ready = work.scores && work.weights && work.queries && work.masks;
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < items; item++) {
-                if (!ready) continue; /* (a thread without work space leaves its items undone: -1 below) */
-                int64_t r = 0, rest = item; /* later blocks see more keys: they go first */
-                while (rest >= model->heads * ((runs[r].count + 15) / 16)) rest -= model->heads * ((runs[r++].count + 15) / 16);
-                const int64_t blocks = (runs[r].count + 15) / 16;
-                attend_block(model, step, &runs[r], rest % model->heads, blocks - 1 - rest / model->heads, qkv, out,
-                             padded, &work);
-            }
-#pragma omp atomic
-            status |= ready ? 0 : -1;
-            free(work.scores);
-            free(work.weights);
-            free(work.queries);
-            free(work.masks);
-            _tile_release();
+        for (int64_t item = 0; item < items; item++) {
+            if (!ready) continue; /* (a thread without work space leaves its items undone: -1 below) */
+            int64_t r = 0, rest = item; /* later blocks see more keys: they go first */
+            while (rest >= model->heads * ((run[r].count + 15) / 16)) rest -= model->heads * ((run[r++].count + 15) / 16);
+            const int64_t blocks = (run[r].count + 15) / 16;
+            attend_block(model, step, &run[r], rest % model->heads, blocks - 1 - rest / model->heads, qkv, out,
+                         padded, &work);
         }
+#pragma omp atomic
+        status |= ready ? 0 : -1;
+        free(work.scores);
+        free(work.weights);
+        free(work.queries);
+        free(work.masks);
+        _tile_release();
     }
-    for (int64_t r = 0; r < count; r++) {
-        free(runs[r].seen);
-        free(runs[r].keys);
-        free(runs[r].values);
-    }
-    return status == 0 ? left : -1;
+    return status;
 }
 #endif
 
-/* The step's attention: long prompt runs on tiles where they may (attend_runs), every other token
- * with the per-token loop; `todo` has room for T token indices. */
-static void attention(const Model *model, const Layer *layer, const Step *step, const float *qkv, float *out,
-                      float *scratch, int64_t *todo) {
+/* The step's prompt runs, where AMX is on: each stretch of RUN_ROWS or more consecutive tokens of
+ * one sequence with at most one logit row. Where they attend on tiles, also each run's keys seen
+ * and room for its packed keys and values. Returns 0, or -1 when memory ran out. */
+static int find_runs(const Model *model, const Step *step, Runs *runs) {
+    const int64_t tokens = step->tokens, context = step->context_len, dim = model->head_dim;
+    const int amx = amx_on();
+    runs->padded = (context + 31) / 32 * 32;
+    runs->tiles = amx && model->kv_bf16 && (dim == 64 || dim == 128);
+    runs->runs = malloc(sizeof(Run) * (size_t)(tokens / RUN_ROWS + 1));
+    runs->others = malloc(sizeof(int64_t) * (size_t)(tokens + 1));
+    uint8_t *logit = calloc((size_t)tokens + 1, 1);
+    int status = runs->runs && runs->others && logit ? 0 : -1;
+    if (status == 0) {
+        for (int64_t r = 0; r < step->num_logits; r++) logit[step->logit_rows[r]] = 1;
+        const size_t pack = sizeof(uint32_t) * (size_t)(model->kv_heads * runs->padded * dim / 2);
+        for (int64_t t = 0; t < tokens;) {
+            int64_t end = t + 1, logits = logit[t];
+            while (end < tokens && step->sequence[end] == step->sequence[t]) logits += logit[end++];
+            if (amx && end - t >= RUN_ROWS && logits <= 1) {
+                Run *run = &runs->runs[runs->count++];
+                *run = (Run){step->sequence[t], t, end - t, NULL, NULL, NULL};
+                if (runs->tiles) {
+                    run->seen = calloc((size_t)runs->padded, 1);
+                    run->keys = aligned_alloc(64, pack);
+                    run->values = aligned_alloc(64, pack);
+                    if (!run->seen || !run->keys || !run->values) status = -1;
+                    else
+                        for (int64_t i = t; i < end; i++)
+                            for (int64_t c = 0; c < context; c++) run->seen[c] |= step->visible[i * context + c];
+                }
+            } else {
+                for (int64_t i = t; i < end; i++) runs->others[runs->left++] = i;
+            }
+            t = end;
+        }
+    }
+    free(logit);
+    return status;
+}
+
+static void free_runs(Runs *runs) {
+    for (int64_t r = 0; r < runs->count; r++) {
+        free(runs->runs[r].seen);
+        free(runs->runs[r].keys);
+        free(runs->runs[r].values);
+    }
+    free(runs->runs);
+    free(runs->others);
+}
+
+/* The step's attention: prompt runs on tiles where they may (attend_runs), every other token with
+ * the per-token loop. */
+static void attention(const Model *model, const Layer *layer, const Step *step, const Runs *runs, const float *qkv,
+                      float *out, float *scratch) {
     int64_t count = step->tokens;
     const int64_t *listed = NULL;
 #ifdef HAVE_AMX
-    const int64_t dim = model->head_dim;
-    if (step->prompt && step->tokens >= PREFILL_ROWS && model->kv_bf16 && (dim == 64 || dim == 128) && amx_on()) {
-        const int64_t left = attend_runs(model, layer, step, qkv, out, todo);
-        if (left >= 0) count = left, listed = todo;
-    }
+    if (runs->tiles && runs->count > 0 && attend_runs(model, layer, step, runs, qkv, out) == 0)
+        count = runs->left, listed = runs->others;
 #endif
     if (count == 0) return;
     if (model->kv_bf16) attention_impl(model, layer, step, qkv, out, scratch, listed, count, 1);
@@ -1126,29 +1193,30 @@ int polylane_forward(const Model *model, const Step *step, float *hidden, float 
     Scratch scratch;
     const int scratch_status = scratch_alloc(&scratch, rows, widest);
     float *scores = malloc(sizeof(float) * (size_t)(step->threads * (model->heads / model->kv_heads) * step->context_len));
-    int64_t *todo = malloc(sizeof(int64_t) * (size_t)(t + 1));
+    Runs runs = {0};
+    const int runs_status = find_runs(model, step, &runs);
     int status = 0;
-    if (!normed || !wide || !narrow || !residual || scratch_status || !scores || !todo) {
+    if (!normed || !wide || !narrow || !residual || scratch_status || !scores || runs_status) {
         status = -1;
         goto done;
     }
     for (int64_t l = 0; l < model->num_layers; l++) {
         const Layer *layer = &model->layers[l];
         EACH_ROW(i, t, rms_norm(hidden + i * e, layer->input_norm, e, model->eps, normed + i * e));
-        matmul(&layer->qkv, normed, t, wide, &scratch, threads, step->prompt);
+        matmul(&layer->qkv, normed, t, wide, &scratch, threads, &runs);
         EACH_ROW(i, t, rotate_and_store(model, layer, wide + i * qkv_width, step->rotations + i * dim, step->slots[i]));
-        attention(model, layer, step, wide, narrow, scores, todo);
-        matmul(&layer->o, narrow, t, residual, &scratch, threads, step->prompt);
+        attention(model, layer, step, &runs, wide, narrow, scores);
+        matmul(&layer->o, narrow, t, residual, &scratch, threads, &runs);
         EACH_ROW(i, t, for (int64_t j = i * e; j < (i + 1) * e; j++) hidden[j] += residual[j]);
         EACH_ROW(i, t, rms_norm(hidden + i * e, layer->post_norm, e, model->eps, normed + i * e));
-        matmul(&layer->gate_up, normed, t, wide, &scratch, threads, step->prompt);
+        matmul(&layer->gate_up, normed, t, wide, &scratch, threads, &runs);
         EACH_ROW(i, t, gated_silu(wide + i * 2 * inter, wide + i * 2 * inter + inter, inter, narrow + i * inter));
-        matmul(&layer->down, narrow, t, residual, &scratch, threads, step->prompt);
+        matmul(&layer->down, narrow, t, residual, &scratch, threads, &runs);
         EACH_ROW(i, t, for (int64_t j = i * e; j < (i + 1) * e; j++) hidden[j] += residual[j]);
     }
     for (int64_t r = 0; r < step->num_logits; r++)
         rms_norm(hidden + step->logit_rows[r] * e, model->final_norm, e, model->eps, normed + r * e);
-    matmul(&model->lm_head, normed, step->num_logits, logits, &scratch, threads, step->prompt);
+    matmul(&model->lm_head, normed, step->num_logits, logits, &scratch, threads, NULL); /* logit rows: exact */
 done:
     free(normed);
     free(wide);
@@ -1156,7 +1224,7 @@ done:
     free(residual);
     scratch_free(&scratch);
     free(scores);
-    free(todo);
+    free_runs(&runs);
     return status;
 }
 
@@ -1167,8 +1235,8 @@ int polylane_forward(const Model *model, const Step *step, float *hidden, float 
     return -2;
 }
 
-int polylane_matmul(const Matrix *w, const float *x, int64_t rows, float *y, int threads) {
-    (void)w, (void)x, (void)rows, (void)y, (void)threads;
+int polylane_matmul(const Matrix *w, const float *x, int64_t rows, float *y, int threads, int prompt) {
+    (void)w, (void)x, (void)rows, (void)y, (void)threads, (void)prompt;
     return -2;
 }
 

@@ -9,8 +9,9 @@ answer (a batch of many tokens, boundary states to record, a cache off the CPU) 
 path runs. Gemma 3 and int8 models always run on torch.
 
 The C code computes each token independently of the others in its batch (see its header), so a
-decode step and a verify pass agree exactly. Long prefill chunks go to torch, whose dense GEMMs
-win there (`max_tokens`).
+decode step and a verify pass agree exactly; a prompt chunk of 16+ tokens takes the AMX prompt
+paths by its own length, whatever shares its step. Forwards of more tokens than `max_tokens` go
+to torch, whose dense GEMMs win there.
 """
 
 from __future__ import annotations
@@ -103,7 +104,6 @@ class Step(ctypes.Structure):
         ("num_logits", ctypes.c_int64),
         ("logit_rows", _pointer),
         ("threads", ctypes.c_int),
-        ("prompt", ctypes.c_int),
     ]
 
 
@@ -117,7 +117,9 @@ def library() -> ctypes.CDLL | None:
         return None
     lib.polylane_forward.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Step), _pointer, _pointer]
     lib.polylane_forward.restype = ctypes.c_int
-    lib.polylane_matmul.argtypes = [ctypes.POINTER(Matrix), _pointer, ctypes.c_int64, _pointer, ctypes.c_int]
+    lib.polylane_matmul.argtypes = [
+        ctypes.POINTER(Matrix), _pointer, ctypes.c_int64, _pointer, ctypes.c_int, ctypes.c_int
+    ]
     lib.polylane_matmul.restype = ctypes.c_int
     lib.polylane_use_amx.argtypes = [ctypes.c_int]
     return lib
@@ -186,8 +188,10 @@ def describe(projection: nn.Module, keep: list[torch.Tensor]) -> Matrix:
     raise ValueError(f"no native kernel for {type(projection).__name__}")
 
 
-def matmul(projection: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """x (M, K) float32 times a projection's weight (plus bias) through the C kernels (tests, benches)."""
+def matmul(projection: nn.Module, x: torch.Tensor, prompt: bool = False) -> torch.Tensor:
+    """x (M, K) float32 times a projection's weight (plus bias) through the C kernels (tests,
+    benches); `prompt`: the rows are one prompt run (decoder.c RUN_ROWS), which on AMX multiplies an
+    int4 weight rounded to bf16."""
     lib = library()
     if lib is None:
         raise RuntimeError("polylane's native kernels are not available on this machine")
@@ -196,7 +200,7 @@ def matmul(projection: nn.Module, x: torch.Tensor) -> torch.Tensor:
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], matrix.out_features)
     threads = torch.get_num_threads()
-    if lib.polylane_matmul(ctypes.byref(matrix), x.data_ptr(), x.shape[0], y.data_ptr(), threads):
+    if lib.polylane_matmul(ctypes.byref(matrix), x.data_ptr(), x.shape[0], y.data_ptr(), threads, int(prompt)):
         raise MemoryError("the native matmul could not allocate its scratch memory")
     return y
 
@@ -314,8 +318,6 @@ class NativeStack:
             num_logits=logit_rows.shape[0],
             logit_rows=logit_rows.data_ptr(),
             threads=torch.get_num_threads(),
-            # at most one logit row per sequence: a prompt, not a verify pass (decoder.c PREFILL_ROWS)
-            prompt=int(logit_rows.shape[0] <= batch.layouts[GLOBAL].batch_size),
         )
         status = self._lib.polylane_forward(
             ctypes.byref(self._model), ctypes.byref(step), hidden.data_ptr(), logits.data_ptr()
