@@ -76,8 +76,8 @@ def test_matmul_multiplies_by_the_packed_weight(kernel, rows, prompt):
     error = (got - expected).abs().max().item()
     scale = expected.abs().max().item()
     assert error <= 2e-5 * scale, (
-        f"{kernel}, {rows} rows{', a prompt run' if prompt else ''}: max error {error:.3g} against values up to"
-        f" {scale:.3g}"
+        f"{kernel}, {rows} rows{', a prompt run' if prompt else ''}: max error {error:.3g} against values"
+        f" up to {scale:.3g}"
     )
 
 
@@ -298,8 +298,8 @@ def test_a_prompt_run_and_a_decode_token_do_not_change_each_other(load_real_mode
     decode_alone = _forward(module, cache, [step])
     prompt_alone = _forward(module, cache, [prompt])
     together = _forward(module, cache, [prompt, step])
-    assert torch.equal(together[0], prompt_alone[0]), f"{kernel}: the prompt run changed beside a decode token"
-    assert torch.equal(together[1], decode_alone[0]), f"{kernel}: the decode token changed beside a prompt run"
+    assert torch.equal(together[0], prompt_alone[0]), f"{kernel}: a prompt run changed beside a decode token"
+    assert torch.equal(together[1], decode_alone[0]), f"{kernel}: a decode token changed beside a prompt run"
 
 
 @pytest.mark.parametrize(("name", "dtype"), [(GEMMA, "int4"), (SMOL, "int8")])

@@ -200,7 +200,8 @@ def matmul(projection: nn.Module, x: torch.Tensor, prompt: bool = False) -> torc
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], matrix.out_features)
     threads = torch.get_num_threads()
-    if lib.polylane_matmul(ctypes.byref(matrix), x.data_ptr(), x.shape[0], y.data_ptr(), threads, int(prompt)):
+    status = lib.polylane_matmul(ctypes.byref(matrix), x.data_ptr(), x.shape[0], y.data_ptr(), threads, int(prompt))
+    if status:
         raise MemoryError("the native matmul could not allocate its scratch memory")
     return y
 
