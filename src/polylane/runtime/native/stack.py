@@ -118,7 +118,12 @@ def library() -> ctypes.CDLL | None:
     lib.polylane_forward.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Step), _pointer, _pointer]
     lib.polylane_forward.restype = ctypes.c_int
     lib.polylane_matmul.argtypes = [
-        ctypes.POINTER(Matrix), _pointer, ctypes.c_int64, _pointer, ctypes.c_int, ctypes.c_int
+        ctypes.POINTER(Matrix),
+        _pointer,
+        ctypes.c_int64,
+        _pointer,
+        ctypes.c_int,
+        ctypes.c_int,
     ]
     lib.polylane_matmul.restype = ctypes.c_int
     lib.polylane_use_amx.argtypes = [ctypes.c_int]
@@ -200,8 +205,8 @@ def matmul(projection: nn.Module, x: torch.Tensor, prompt: bool = False) -> torc
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], matrix.out_features)
     threads = torch.get_num_threads()
-    status = lib.polylane_matmul(ctypes.byref(matrix), x.data_ptr(), x.shape[0], y.data_ptr(), threads, int(prompt))
-    if status:
+    rows = x.shape[0]
+    if lib.polylane_matmul(ctypes.byref(matrix), x.data_ptr(), rows, y.data_ptr(), threads, int(prompt)):
         raise MemoryError("the native matmul could not allocate its scratch memory")
     return y
 
