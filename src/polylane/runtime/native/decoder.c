@@ -654,11 +654,13 @@ static void matmul(const Matrix *w, const float *x, int64_t rows, float *y, cons
                 }
                 if (tiles) dequantise_block(w, b, tiles);
                 int64_t done = 0;
-                for (int64_t r = 0; r < prompt_runs; r++) {
-                    const Run *run = &runs->runs[r];
-                    int4_rows_amx(w, x_pairs, scratch->sums, done, run->first - done, b, y, NULL);
-                    int4_rows_amx(w, x_pairs, scratch->sums, run->first, run->count, b, y, tiles);
-                    done = run->first + run->count;
+                for (int64_t r = 0; r < prompt_runs;) { /* (rows never mix: adjacent runs go as one) */
+                    const int64_t first = runs->runs[r].first;
+                    int64_t end = first + runs->runs[r].count;
+                    while (++r < prompt_runs && runs->runs[r].first == end) end += runs->runs[r].count;
+                    int4_rows_amx(w, x_pairs, scratch->sums, done, first - done, b, y, NULL);
+                    int4_rows_amx(w, x_pairs, scratch->sums, first, end - first, b, y, tiles);
+                    done = end;
                 }
                 int4_rows_amx(w, x_pairs, scratch->sums, done, rows - done, b, y, NULL);
             }
