@@ -206,15 +206,34 @@ class RequestHandle:
             tpot,
         )
 
-    def _push(self, event: StreamEvent) -> None:
+    def _push(self, event: StreamEvent, wakes: _Wakes | None = None) -> None:
+        """Add an event and wake the readers: threads now, asyncio readers now or, with `wakes`,
+        collected per event loop for one `_wake_loops` call when the step's tokens are all out."""
         with self._cond:
             self._events.append(event)
             if event.finish_reason is not None:
                 self._done.set()  # before any waiter wakes: result(timeout=0) then sees it done
             self._cond.notify_all()
             waiters = list(self._waiters)
-        for loop, wake in waiters:
-            loop.call_soon_threadsafe(wake.set)
+        if wakes is None:
+            _wake_loops({loop: [wake] for loop, wake in waiters})
+        else:
+            for loop, wake in waiters:
+                wakes.setdefault(loop, []).append(wake)
+
+
+# asyncio readers to wake, by their event loop: one thread-safe call per loop and step
+_Wakes = dict[asyncio.AbstractEventLoop, list[asyncio.Event]]
+
+
+def _wake_loops(wakes: _Wakes) -> None:
+    for loop, events in wakes.items():
+        loop.call_soon_threadsafe(_set_all, events)
+
+
+def _set_all(events: list[asyncio.Event]) -> None:
+    for event in events:
+        event.set()
 
 
 @dataclass
@@ -465,10 +484,11 @@ class Engine:
 
     def _deliver(self, plan: StepPlan, result: StepResult) -> None:
         """Hand tokens to their streams; decide EOS / stop string / length; end finished requests."""
+        wakes: _Wakes = {}
         for request_id, reason, message in plan.close:
-            self._end(request_id, reason, message or None)
+            self._end(request_id, reason, message or None, wakes=wakes)
         for request_id, message in result.failed.items():
-            self._end(request_id, "error", message)
+            self._end(request_id, "error", message, wakes=wakes)
         now = time.perf_counter()
         for request_id, cached in result.cached.items():
             output = self._outputs.get(request_id)
@@ -497,11 +517,12 @@ class Engine:
                     text, reason = text + output.stops.flush(), "length"
                     break
             if reason is None:
-                handle._push(StreamEvent(text, tuple(tokens)))
+                handle._push(StreamEvent(text, tuple(tokens)), wakes)
                 continue
             result.finished[request_id] = reason
             self.runner.finish(request_id, cache=True)
-            self._end(request_id, reason, None, text, tuple(tokens))
+            self._end(request_id, reason, None, text, tuple(tokens), wakes)
+        _wake_loops(wakes)
         # Requests ended here gave their blocks back (free, or evictable in the prefix tree) after
         # the runner counted them: count again, or an idle engine keeps the stale count and a
         # waiting request that needs those blocks is never admitted.
@@ -509,7 +530,13 @@ class Engine:
             result.free_blocks[model] = self.runner.free_blocks(model)
 
     def _end(
-        self, request_id: int, reason: str, error: str | None, text: str = "", tokens: tuple[int, ...] = ()
+        self,
+        request_id: int,
+        reason: str,
+        error: str | None,
+        text: str = "",
+        tokens: tuple[int, ...] = (),
+        wakes: _Wakes | None = None,
     ) -> None:
         output = self._outputs.pop(request_id, None)
         if output is None:
@@ -517,7 +544,7 @@ class Engine:
         self.runner.finish(request_id, cache=False)
         handle = output.handle
         self.stats_recorder.finished(handle.model, reason, output.generated, handle)
-        handle._push(StreamEvent(text, tokens, reason, error))
+        handle._push(StreamEvent(text, tokens, reason, error), wakes)
 
     def _shutdown(self) -> None:
         reason = "error" if self.error else "abort"
