@@ -5,7 +5,9 @@ tokens and token trees mixed). Attention runs over a padded view: B sequences ×
 (Q = the longest chunk) × C key slots (C = the longest context). This module builds, once per
 forward, everything the layers need to go between the flat and the padded view: which cache slot
 each new token is written to, which slots each sequence reads, and the boolean attention mask
-(committed prefix + causal or tree visibility among new tokens + sliding window).
+(committed prefix + causal or tree visibility among new tokens + sliding window). The flat index
+arrays are built with numpy at once; the padded layouts only when the torch path asks for them
+(the native stack reads the chunks and their context slots instead).
 
 It decides nothing about which sequences run; the scheduler does that.
 """
@@ -13,8 +15,9 @@ It decides nothing about which sequences run; the scheduler does that.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -53,7 +56,22 @@ class ForwardBatch:
     positions: torch.Tensor  # (T,)
     slot_mapping: torch.Tensor  # (T,) cache slot each new token's K/V is written to
     logit_rows: torch.Tensor  # (R,) rows of the flat batch whose logits are returned
-    layouts: dict[str, AttentionLayout]  # by layer type
+    chunks: tuple[SequenceChunk, ...]
+    context_slots: list[np.ndarray]  # per chunk, the cache slot of each index of its context
+    config: ModelConfig = field(repr=False)
+    device: torch.device | str = "cpu"
+
+    @functools.cached_property
+    def layouts(self) -> dict[str, AttentionLayout]:
+        """The padded attention layout of each layer type (global, sliding), built on first use."""
+        layer_types = (GLOBAL, SLIDING) if self.config.has_sliding_layers else (GLOBAL,)
+        positions = self.positions.tolist()
+        longest_context = max(c.context_len for c in self.chunks)
+        source = functools.cache(lambda: _context_source(self.context_slots, longest_context, self.device))
+        return {
+            kind: _layout(self.chunks, positions, kind == SLIDING, self.config, source, self.device)
+            for kind in layer_types
+        }
 
 
 def _tree_depths(parents: Sequence[int]) -> list[int]:
@@ -63,19 +81,25 @@ def _tree_depths(parents: Sequence[int]) -> list[int]:
     return depths
 
 
+def new_token_visibility(chunk: SequenceChunk) -> np.ndarray:
+    """(n, n) bool for a chunk's n new tokens: token q may see token k (causal, or
+    ancestor-or-self in a tree)."""
+    n = chunk.num_new
+    if chunk.tree_parents is None:
+        return np.tri(n, dtype=bool)
+    visible = np.zeros((n, n), dtype=bool)
+    for node, parent in enumerate(chunk.tree_parents):
+        if parent >= 0:
+            visible[node] = visible[parent]
+        visible[node, node] = True
+    return visible
+
+
 def _visibility(chunk: SequenceChunk, size: int) -> torch.Tensor:
-    """(size, size) bool: new token q may see new token k (causal, or ancestor-or-self)."""
+    """(size, size) bool: `new_token_visibility` padded with nothing visible."""
     n = chunk.num_new
     visible = torch.zeros(size, size, dtype=torch.bool)
-    if chunk.tree_parents is None:
-        visible[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
-        return visible
-    rows: list[list[bool]] = []
-    for node, parent in enumerate(chunk.tree_parents):
-        row = list(rows[parent]) if parent >= 0 else [False] * size
-        row[node] = True
-        rows.append(row)
-    visible[:n] = torch.tensor(rows, dtype=torch.bool)
+    visible[:n, :n] = torch.from_numpy(new_token_visibility(chunk))
     return visible
 
 
@@ -87,47 +111,42 @@ def build_forward_batch(
 ) -> ForwardBatch:
     if not chunks:
         raise ValueError("a forward pass needs at least one chunk")
-    token_ids: list[int] = []
-    positions: list[int] = []
-    slot_mapping: list[int] = []
-    logit_rows: list[int] = []
     for chunk in chunks:
-        start = len(token_ids)
         if chunk.context_len > len(chunk.block_table) * block_size:
             raise ValueError(
                 f"chunk needs {chunk.context_len} slots but its block table holds "
                 f"{len(chunk.block_table)} blocks of {block_size}"
             )
-        token_ids.extend(chunk.token_ids)
-        if chunk.tree_parents is None:
-            positions.extend(range(chunk.num_cached, chunk.context_len))
-        else:
-            positions.extend(chunk.num_cached + d - 1 for d in _tree_depths(chunk.tree_parents))
-        for index in range(chunk.num_cached, chunk.context_len):
-            block, offset = divmod(index, block_size)
-            slot_mapping.append(chunk.block_table[block] * block_size + offset)
-        rows = {"none": [], "last": [len(token_ids) - 1], "all": range(start, len(token_ids))}
-        logit_rows.extend(rows[chunk.logits])
+    slots = _context_slots(chunks, block_size)
+    token_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64)
+    positions = np.concatenate(
+        [
+            np.arange(c.num_cached, c.context_len, dtype=np.int64)
+            if c.tree_parents is None
+            else c.num_cached - 1 + np.array(_tree_depths(c.tree_parents), dtype=np.int64)
+            for c in chunks
+        ]
+    )
+    slot_mapping = np.concatenate([row[c.num_cached :] for c, row in zip(chunks, slots, strict=True)])
+    logit_rows: list[int] = []
+    start = 0
+    for chunk in chunks:
+        end = start + chunk.num_new
+        logit_rows.extend({"none": (), "last": (end - 1,), "all": range(start, end)}[chunk.logits])
+        start = end
 
-    as_long = {"dtype": torch.long, "device": device}
-    layer_types = (GLOBAL, SLIDING) if config.has_sliding_layers else (GLOBAL,)
-    longest_context = max(c.context_len for c in chunks)
+    def tensor(values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(values).to(device)
 
-    @functools.cache
-    def context_source() -> tuple[tuple[int, int] | None, torch.Tensor | None]:
-        # Shared by both layer kinds, and skipped by a fresh prefill that reads no cache.
-        return _context_source(_context_slots(chunks, block_size), longest_context, device)
-
-    layouts = {
-        kind: _layout(chunks, positions, kind == SLIDING, config, context_source, device)
-        for kind in layer_types
-    }
     return ForwardBatch(
-        token_ids=torch.tensor(token_ids, **as_long),
-        positions=torch.tensor(positions, **as_long),
-        slot_mapping=torch.tensor(slot_mapping, **as_long),
-        logit_rows=torch.tensor(logit_rows, **as_long),
-        layouts=layouts,
+        token_ids=tensor(token_ids),
+        positions=tensor(positions),
+        slot_mapping=tensor(slot_mapping),
+        logit_rows=tensor(np.array(logit_rows, dtype=np.int64)),
+        chunks=tuple(chunks),
+        context_slots=slots,
+        config=config,
+        device=device,
     )
 
 

@@ -54,15 +54,19 @@ class RotaryTable:
         self.inv_freq = 1.0 / (theta**exponents)
         self.rotations = torch.empty(0, head_dim // 2, dtype=torch.complex64, device=device)
 
-    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
-        """(T,) positions → (T, 1, head_dim / 2) complex rotations."""
-        needed = int(positions.max()) + 1
+    def table(self, needed: int) -> torch.Tensor:
+        """(P, head_dim / 2) complex rotations of positions 0 .. P - 1, P >= `needed` (grown on
+        demand, at least doubling)."""
         if needed > self.rotations.shape[0]:
             size = max(needed, 2 * self.rotations.shape[0], 256)
             steps = torch.arange(size, device=self.inv_freq.device, dtype=torch.float32)
             angles = steps[:, None] * self.inv_freq[None, :]  # (P, D/2)
             self.rotations = torch.polar(torch.ones_like(angles), angles)
-        return self.rotations[positions].unsqueeze(1)
+        return self.rotations
+
+    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
+        """(T,) positions → (T, 1, head_dim / 2) complex rotations."""
+        return self.table(int(positions.max()) + 1)[positions].unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:

@@ -87,11 +87,15 @@ typedef struct {
     const Layer *layers;
     const float *final_norm;
     Matrix lm_head;
+    Matrix embedding;      /* FP32 or BF16 (V, E), or FP32_INPUT_MAJOR (E, V) */
+    float embedding_scale; /* the embedding rows are multiplied by it */
 } Model;
 
 typedef struct {
-    int64_t tokens;          /* T */
-    const float *rotations;  /* (T, D/2, 2): cos, sin of each token's position */
+    int64_t tokens;            /* T */
+    const int64_t *token_ids;  /* (T,) */
+    const int64_t *positions;  /* (T,) */
+    const float *rotations;    /* (P, D/2, 2): cos, sin of every position up to the largest */
     const int64_t *slots;    /* (T,) where each token's K/V is written */
     const int64_t *context;  /* (B, C) cache slots each sequence reads */
     int64_t context_len;     /* C */
@@ -1177,9 +1181,28 @@ static void gated_silu(const float *gate, const float *up, int64_t size, float *
     }
 }
 
-/* Run every layer over `hidden` (T, E) in place, then the final norm and output projection of the
- * rows `step->logit_rows` into `logits` (R, V). Returns 0, or -1 when scratch memory ran out. */
-int polylane_forward(const Model *model, const Step *step, float *hidden, float *logits) {
+/* Token `token`'s embedding row (E) as float32, times the model's embedding scale. */
+static void embed(const Model *model, int64_t token, float *row) {
+    const Matrix *table = &model->embedding;
+    const int64_t e = table->in_features, v = table->out_features;
+    if (table->kind == BF16) {
+        const uint16_t *from = (const uint16_t *)table->weight + token * e;
+        for (int64_t i = 0; i < e; i++) {
+            const uint32_t bits = (uint32_t)from[i] << 16;
+            memcpy(row + i, &bits, sizeof bits);
+        }
+    } else if (table->kind == FP32_INPUT_MAJOR) {
+        for (int64_t i = 0; i < e; i++) row[i] = ((const float *)table->weight)[i * v + token];
+    } else {
+        memcpy(row, (const float *)table->weight + token * e, sizeof(float) * (size_t)e);
+    }
+    if (model->embedding_scale != 1.0f)
+        for (int64_t i = 0; i < e; i++) row[i] *= model->embedding_scale;
+}
+
+/* Embed the step's tokens, run every layer over them, then the final norm and output projection of
+ * the rows `step->logit_rows` into `logits` (R, V). Returns 0, or -1 when scratch memory ran out. */
+int polylane_forward(const Model *model, const Step *step, float *logits) {
     const int threads = step->threads;
     const int64_t t = step->tokens, e = model->hidden, dim = model->head_dim;
     const int64_t q_width = model->heads * dim, kv_width = model->kv_heads * dim;
@@ -1192,21 +1215,24 @@ int polylane_forward(const Model *model, const Step *step, float *hidden, float 
     float *wide = malloc(sizeof(float) * (size_t)(t * widest));
     float *narrow = malloc(sizeof(float) * (size_t)(t * (q_width > inter ? q_width : inter)));
     float *residual = malloc(sizeof(float) * (size_t)(t * e));
+    float *hidden = malloc(sizeof(float) * (size_t)(t * e));
     Scratch scratch;
     const int scratch_status = scratch_alloc(&scratch, rows, widest);
     float *scores = malloc(sizeof(float) * (size_t)(step->threads * (model->heads / model->kv_heads) * step->context_len));
     Runs runs = {0};
     const int runs_status = find_runs(model, step, &runs);
     int status = 0;
-    if (!normed || !wide || !narrow || !residual || scratch_status || !scores || runs_status) {
+    if (!normed || !wide || !narrow || !residual || !hidden || scratch_status || !scores || runs_status) {
         status = -1;
         goto done;
     }
+    EACH_ROW(i, t, embed(model, step->token_ids[i], hidden + i * e));
     for (int64_t l = 0; l < model->num_layers; l++) {
         const Layer *layer = &model->layers[l];
         EACH_ROW(i, t, rms_norm(hidden + i * e, layer->input_norm, e, model->eps, normed + i * e));
         matmul(&layer->qkv, normed, t, wide, &scratch, threads, &runs);
-        EACH_ROW(i, t, rotate_and_store(model, layer, wide + i * qkv_width, step->rotations + i * dim, step->slots[i]));
+        EACH_ROW(i, t, rotate_and_store(model, layer, wide + i * qkv_width, step->rotations + step->positions[i] * dim,
+                                        step->slots[i]));
         attention(model, layer, step, &runs, wide, narrow, scores);
         matmul(&layer->o, narrow, t, residual, &scratch, threads, &runs);
         EACH_ROW(i, t, for (int64_t j = i * e; j < (i + 1) * e; j++) hidden[j] += residual[j]);
@@ -1224,6 +1250,7 @@ done:
     free(wide);
     free(narrow);
     free(residual);
+    free(hidden);
     scratch_free(&scratch);
     free(scores);
     free_runs(&runs);
@@ -1232,8 +1259,8 @@ done:
 
 #else
 
-int polylane_forward(const Model *model, const Step *step, float *hidden, float *logits) {
-    (void)model, (void)step, (void)hidden, (void)logits;
+int polylane_forward(const Model *model, const Step *step, float *logits) {
+    (void)model, (void)step, (void)logits;
     return -2;
 }
 

@@ -20,10 +20,11 @@ import ctypes
 import weakref
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import nn
 
-from polylane.runtime.batch import ForwardBatch
+from polylane.runtime.batch import ForwardBatch, new_token_visibility
 from polylane.runtime.kv_cache import PagedKVCache
 from polylane.runtime.layers import Projection
 from polylane.runtime.model_config import GLOBAL, ModelConfig
@@ -89,12 +90,16 @@ class Model(ctypes.Structure):
         ("layers", ctypes.POINTER(Layer)),
         ("final_norm", _pointer),
         ("lm_head", Matrix),
+        ("embedding", Matrix),
+        ("embedding_scale", ctypes.c_float),
     ]
 
 
 class Step(ctypes.Structure):
     _fields_ = [
         ("tokens", ctypes.c_int64),
+        ("token_ids", _pointer),
+        ("positions", _pointer),
         ("rotations", _pointer),
         ("slots", _pointer),
         ("context", _pointer),
@@ -115,7 +120,7 @@ def library() -> ctypes.CDLL | None:
     lib = load_library("decoder")
     if lib is None or not lib.polylane_supported():
         return None
-    lib.polylane_forward.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Step), _pointer, _pointer]
+    lib.polylane_forward.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Step), _pointer]
     lib.polylane_forward.restype = ctypes.c_int
     lib.polylane_matmul.argtypes = [
         ctypes.POINTER(Matrix),
@@ -211,6 +216,14 @@ def matmul(projection: nn.Module, x: torch.Tensor, prompt: bool = False) -> torc
     return y
 
 
+def _embedding_matrix(model: DecoderModel, keep: list[torch.Tensor]) -> Matrix:
+    """The token embedding as the C code looks rows up in it: float32 or bf16 (vocab, hidden), or
+    the tied float32 columns (hidden, vocab)."""
+    if model.vocab_columns is not None:
+        return _weight_matrix(model.vocab_columns, None, True, keep)
+    return _weight_matrix(model.embed_tokens.weight, None, False, keep)
+
+
 def _output_matrix(model: DecoderModel, keep: list[torch.Tensor]) -> Matrix:
     if model.lm_head is not None:
         return describe(model.lm_head, keep)
@@ -267,6 +280,8 @@ class NativeStack:
             layers=layers,
             final_norm=final_norm.data_ptr(),
             lm_head=lm_head,
+            embedding=_embedding_matrix(model, self._keep),
+            embedding_scale=config.embedding_scale,
         )
         self._bound_cache: weakref.ref[PagedKVCache] | None = None
 
@@ -306,56 +321,46 @@ class NativeStack:
         if cache.keys[0].device.type != "cpu":
             return None
         self._bind(cache)
-        hidden = model.embed(batch.token_ids).float().contiguous()  # (T, E)
-        if model.config.embedding_scale != 1.0:
-            hidden *= model.config.embedding_scale
-        rotations = torch.view_as_real(model._rotary[GLOBAL].lookup(batch.positions)).contiguous()
-        context, sequence, visible = _attention_rows(batch, tokens)
-        logit_rows = batch.logit_rows.contiguous()
-        logits = torch.empty(logit_rows.shape[0], self._model.vocab, dtype=torch.float32)
+        # (a position is below its sequence's context length: no tensor op to find the largest)
+        rotations = model._rotary[GLOBAL].table(max(c.context_len for c in batch.chunks))
+        context, sequence, visible = _attention_rows(batch)
+        logits = torch.empty(batch.logit_rows.shape[0], self._model.vocab, dtype=torch.float32)
         step = Step(
             tokens=tokens,
+            token_ids=batch.token_ids.data_ptr(),
+            positions=batch.positions.data_ptr(),
             rotations=rotations.data_ptr(),
-            slots=batch.slot_mapping.contiguous().data_ptr(),
-            context=context.data_ptr(),
+            slots=batch.slot_mapping.data_ptr(),
+            context=context.ctypes.data,
             context_len=context.shape[1],
-            sequence=sequence.data_ptr(),
-            visible=visible.data_ptr(),
-            num_logits=logit_rows.shape[0],
-            logit_rows=logit_rows.data_ptr(),
+            sequence=sequence.ctypes.data,
+            visible=visible.ctypes.data,
+            num_logits=batch.logit_rows.shape[0],
+            logit_rows=batch.logit_rows.data_ptr(),
             threads=torch.get_num_threads(),
         )
-        status = self._lib.polylane_forward(
-            ctypes.byref(self._model), ctypes.byref(step), hidden.data_ptr(), logits.data_ptr()
-        )
-        if status != 0:
+        if self._lib.polylane_forward(ctypes.byref(self._model), ctypes.byref(step), logits.data_ptr()) != 0:
             raise MemoryError("the native forward could not allocate its scratch memory")
         return logits
 
 
-def _attention_rows(batch: ForwardBatch, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per forward: (B, C) slots each sequence reads, (T,) sequence of each token, and (T, C)
-    bool keys each token may see, from the batch's global-attention layout."""
-    layout = batch.layouts[GLOBAL]
-    if layout.kv_range is not None:
-        start, stop = layout.kv_range
-        context = torch.arange(start, stop, dtype=torch.long).view(1, -1)
-    elif layout.kv_index is not None:
-        context = layout.kv_index.view(layout.batch_size, -1)
-    else:  # a fresh prefill reads its own new K/V, written before attention runs
-        context = batch.slot_mapping.view(1, -1)
-    width = context.shape[1]
-    if layout.mask is None:
-        if layout.is_causal:
-            visible = torch.ones(tokens, width, dtype=torch.bool).tril()
-        else:
-            visible = torch.ones(tokens, width, dtype=torch.bool)
-        sequence = torch.zeros(tokens, dtype=torch.long)
-    else:
-        rows = layout.mask.reshape(-1, width)  # (B * Q, C)
-        if layout.out_index is None:
-            visible, sequence = rows, torch.zeros(tokens, dtype=torch.long)
-        else:
-            queries = rows.shape[0] // layout.batch_size
-            visible, sequence = rows.index_select(0, layout.out_index), layout.out_index // queries
-    return context.contiguous(), sequence.contiguous(), visible.contiguous()
+def _attention_rows(batch: ForwardBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per forward: (B, C) slots each sequence reads (a shorter context padded with its first
+    slot), (T,) sequence of each token, and (T, C) bool keys each token may see (its committed
+    prefix, and its chunk's new tokens causally or as tree ancestors)."""
+    slots, chunks = batch.context_slots, batch.chunks
+    width = max(len(row) for row in slots)
+    tokens = sum(c.num_new for c in chunks)
+    context = np.empty((len(chunks), width), dtype=np.int64)
+    sequence = np.empty(tokens, dtype=np.int64)
+    visible = np.zeros((tokens, width), dtype=bool)
+    start = 0
+    for b, (chunk, row) in enumerate(zip(chunks, slots, strict=True)):
+        context[b, : len(row)] = row
+        context[b, len(row) :] = row[0]
+        end = start + chunk.num_new
+        sequence[start:end] = b
+        visible[start:end, : chunk.num_cached] = True
+        visible[start:end, chunk.num_cached : chunk.context_len] = new_token_visibility(chunk)
+        start = end
+    return context, sequence, visible
