@@ -1,13 +1,15 @@
 """One forward step, native stack against the torch path, side by side in one run.
 
 Run:  python bench/native_step.py [--model smollm2-135m-instruct] [--dtype int4|bf16|fp32]
-      [--batch 1 8] [--context 64 400] [--threads 2] [--steps 40]
+      [--batch 1 8] [--context 64 400] [--threads 2] [--steps 40] [--prefill 127 383]
+      [--prompts 1]
 
 Loads the model and times the bare forward (no engine) of a decode step — --batch sequences, one
 new token each, after --context tokens — median of --steps steps, for: the native stack with its
 AMX kernel (where the CPU has AMX), with its AVX512-BF16 kernel, and the torch path
 (`module.native_stack` set aside), all on the same KV cache. Also a prefill forward of --prefill
-tokens (127 and 383) where the native stack takes that many. Prints a table and, last, one JSON line.
+tokens (127 and 383) where the native stack takes that many: --prompts sequences of that many
+tokens each in one forward (tokens/s counts them all). Prints a table and, last, one JSON line.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--prefill", type=int, nargs="*", default=[127, 383], help="prompt sizes to time")
+    parser.add_argument("--prompts", type=int, default=1, help="prompts of --prefill tokens in one forward")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(args.model, args.dtype, quiet=True)
@@ -83,13 +86,17 @@ def main() -> None:
             for system in systems:
                 seconds = run(system, time_step, module, cache, chunks, args.steps)
                 results[system][f"decode_b{batch_size}_c{context}_ms"] = seconds * 1e3
-    for tokens in [n for n in args.prefill if n < stack.max_tokens]:
-        table = tuple(range(-(-tokens // BLOCK)))
-        cache = PagedKVCache(module.config, len(table), BLOCK, model.kv_dtype)
-        chunk = [SequenceChunk(tuple(100 + i for i in range(tokens)), 0, table)]
+    for tokens in [n for n in args.prefill if n * args.prompts < stack.max_tokens]:
+        blocks = -(-tokens // BLOCK)
+        cache = PagedKVCache(module.config, blocks * args.prompts, BLOCK, model.kv_dtype)
+        tables = [tuple(range(p * blocks, (p + 1) * blocks)) for p in range(args.prompts)]
+        prompts = [tuple(100 + 7 * p + i for i in range(tokens)) for p in range(args.prompts)]
+        chunks = [SequenceChunk(prompt, 0, table) for prompt, table in zip(prompts, tables, strict=True)]
+        size = f"{tokens}" if args.prompts == 1 else f"{args.prompts}x{tokens}"
+        name = f"prefill_{size}_tokens_per_s"
         for system in systems:
-            seconds = run(system, time_step, module, cache, chunk, 3)
-            results[system][f"prefill_{tokens}_tokens_per_s"] = tokens / seconds
+            seconds = run(system, time_step, module, cache, chunks, 3)
+            results[system][name] = tokens * args.prompts / seconds
 
     keys = list(results[systems[0]])
     print(f"{args.model} {args.dtype}, {args.threads} threads: decode step (ms) and prefill (tokens/s)")
