@@ -228,7 +228,10 @@ _Wakes = dict[asyncio.AbstractEventLoop, list[asyncio.Event]]
 
 def _wake_loops(wakes: _Wakes) -> None:
     for loop, events in wakes.items():
-        loop.call_soon_threadsafe(_set_all, events)
+        try:
+            loop.call_soon_threadsafe(_set_all, events)
+        except RuntimeError:  # that loop is closed: nobody is left on it to wake
+            continue
 
 
 def _set_all(events: list[asyncio.Event]) -> None:

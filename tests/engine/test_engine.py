@@ -237,6 +237,29 @@ def test_async_stream_and_chat_messages():
             engine.submit(GEMMA, messages=[{"role": "user", "content": "hi"}])
 
 
+def test_a_reader_whose_event_loop_closed_stops_nobody():
+    # one stream is read on an event loop that closes mid-stream (its reader never finished);
+    # a stream read on another loop in the same steps, and the request itself, still finish
+    async def first_event(handle):
+        return await handle.__aiter__().__anext__()
+
+    async def read_all(handle):
+        return [event async for event in handle]
+
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    with Engine(EngineConfig(budget_bytes=4 * 2**30)) as engine:
+        engine.add_model(SMOL, dtype=DTYPE, kv_tokens=KV_TOKENS)
+        abandoned = engine.submit(SMOL, "The quick brown fox", params=params)
+        closed = asyncio.new_event_loop()
+        closed.run_until_complete(first_event(abandoned))
+        closed.close()
+        other = engine.submit(SMOL, "The capital of France is", params=params)
+        events = asyncio.run(read_all(other))
+        assert events[-1].finish_reason == "length"
+        assert abandoned.result(timeout=60).finish_reason == "length"
+        assert engine.alive
+
+
 def test_a_model_that_fails_to_load_fails_only_its_requests(tmp_path):
     good = fetch_or_skip(SMOL).path
     truncated = tmp_path / "truncated.gguf"

@@ -227,9 +227,7 @@ def _embedding_matrix(model: DecoderModel, keep: list[torch.Tensor]) -> Matrix:
 def _output_matrix(model: DecoderModel, keep: list[torch.Tensor]) -> Matrix:
     if model.lm_head is not None:
         return describe(model.lm_head, keep)
-    if model.vocab_columns is not None:  # tied float32 embeddings kept (hidden, vocab)
-        return _weight_matrix(model.vocab_columns, None, True, keep)
-    return _weight_matrix(model.embed_tokens.weight, None, False, keep)
+    return _embedding_matrix(model, keep)  # tied: the same table, read as (vocab, hidden) rows
 
 
 class NativeStack:
