@@ -42,7 +42,8 @@
  * one-row matmuls read memory at ~10 GB/s of the ~23 two cores can stream (SmolLM2 decode step
  * 6.9 -> 4.3 ms; 1 KiB ahead gave 5.6 ms, 8 KiB 4.5 ms). */
 /* A prompt run (see the header) has this many tokens or more: from 16 the prompt paths are about as
- * fast as the exact ones, and faster from 20 (`bench/native_step.py --prefill 16 20 24 32`). */
+ * fast as the exact ones, and faster from 20 (`bench/native_step.py --prefill 16 20 24 32`, against
+ * a build with this set above 32). */
 #define RUN_ROWS 16
 /* Forwards of this many tokens or more run their per-token work (norms, RoPE, KV writes,
  * residuals, activation rounding) on all threads; fewer stay on one (no fork per op). */
