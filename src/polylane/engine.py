@@ -409,6 +409,7 @@ class Engine:
                 if plan.is_idle:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
+                    self._let_submissions_land()
                     continue
                 self._start_loads(plan.acquire)
                 started = time.perf_counter()
@@ -421,6 +422,17 @@ class Engine:
             self.error = f"engine loop failed: {type(error).__name__}: {error}"
         finally:
             self._shutdown()
+
+    def _let_submissions_land(self) -> None:
+        """Woken from idle: hand the GIL over while the inbox still grows, so that requests other
+        threads are submitting at this moment (a burst of clients) join the first step's prefill
+        instead of waiting a whole prefill step for the next. A lone request costs one yield."""
+        seen = -1
+        for _ in range(16):
+            if self._inbox.qsize() == seen:
+                return
+            seen = self._inbox.qsize()
+            time.sleep(0)  # releases the GIL: a submitting thread waiting for it runs
 
     def _drain_inbox(self) -> None:
         while True:
