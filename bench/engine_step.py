@@ -13,7 +13,9 @@ inside that `C forward` (the native call alone, where the model runs natively), 
 decode-only step (every request decoding, no prefill), as medians over the repeats' steps; the
 first repeat prefills prompts nobody sent before, later ones hit the prefix cache. Also the
 aggregate decode tokens/s of each repeat (Σ (tokens − 1) / (latest last token − earliest first
-token), the bench's `aggregate_decode_tokens_per_s`). Prints a table and, last, one JSON line.
+token), the bench's `aggregate_decode_tokens_per_s`), and how many of the requests the first
+prefill step of each repeat took (all of them unless the burst split). Prints a table and, last,
+one JSON line.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class StepClock:
         self.steps: list[dict[str, float]] = []
         self.current: dict[str, float] = defaultdict(float)
         self.decode_only = False
+        self.first_prefill: list[int] = []  # per repeat: requests in its first prefill step
+        self.repeat_started = False
 
     def wrap(self, owner: Any, name: str, part: str) -> None:
         original = getattr(owner, name)
@@ -77,6 +81,9 @@ def instrument(engine: Engine, model: str, clock: StepClock) -> None:
     def timed_execute(self: runner.Runner, plan: Any) -> Any:
         clock.end_step()  # a step runs from one execute to the next
         clock.decode_only = not plan.prefill and bool(plan.decode)
+        if plan.prefill and not clock.repeat_started:
+            clock.first_prefill.append(len(plan.prefill))
+            clock.repeat_started = True
         started = time.perf_counter()
         try:
             return execute(self, plan)
@@ -145,6 +152,7 @@ def main() -> None:
         instrument(engine, args.model, clock)
         aggregates = []
         for repeat in range(args.repeats):
+            clock.repeat_started = False
             streams = asyncio.run(send_all(engine, args.model, args.batch, args.max_tokens, repeat))
             span = max(s[-1] for s in streams) - min(s[0] for s in streams)
             aggregates.append(sum(len(s) - 1 for s in streams) / span)
@@ -162,6 +170,7 @@ def main() -> None:
         print(f"| {part} | {medians[part]:.3f} |")
     print(f"| plan + execute + deliver | {step_ms:.3f} |")
     print("aggregate decode tokens/s per repeat: " + ", ".join(f"{a:.0f}" for a in aggregates))
+    print("requests in each repeat's first prefill step: " + ", ".join(map(str, clock.first_prefill)))
     print(
         json.dumps(
             {
@@ -172,6 +181,7 @@ def main() -> None:
                 "ms_per_step": medians,
                 "loop_ms_per_step": step_ms,
                 "aggregate_decode_tokens_per_s": aggregates,
+                "first_prefill_requests": clock.first_prefill,
             }
         )
     )
