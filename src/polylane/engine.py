@@ -206,20 +206,17 @@ class RequestHandle:
             tpot,
         )
 
-    def _push(self, event: StreamEvent, wakes: _Wakes | None = None) -> None:
-        """Add an event and wake the readers: threads now, asyncio readers now or, with `wakes`,
-        collected per event loop for one `_wake_loops` call when the step's tokens are all out."""
+    def _push(self, event: StreamEvent, wakes: _Wakes) -> None:
+        """Add an event and wake the readers: threads now; asyncio readers are collected in `wakes`
+        per event loop, for one `_wake_loops` call once the step's events are all out."""
         with self._cond:
             self._events.append(event)
             if event.finish_reason is not None:
                 self._done.set()  # before any waiter wakes: result(timeout=0) then sees it done
             self._cond.notify_all()
             waiters = list(self._waiters)
-        if wakes is None:
-            _wake_loops({loop: [wake] for loop, wake in waiters})
-        else:
-            for loop, wake in waiters:
-                wakes.setdefault(loop, []).append(wake)
+        for loop, wake in waiters:
+            wakes.setdefault(loop, []).append(wake)
 
 
 # asyncio readers to wake, by their event loop: one thread-safe call per loop and step
@@ -536,7 +533,7 @@ class Engine:
                 continue
             result.finished[request_id] = reason
             self.runner.finish(request_id, cache=True)
-            self._end(request_id, reason, None, text, tuple(tokens), wakes)
+            self._end(request_id, reason, None, wakes, text, tuple(tokens))
         _wake_loops(wakes)
         # Requests ended here gave their blocks back (free, or evictable in the prefix tree) after
         # the runner counted them: count again, or an idle engine keeps the stale count and a
@@ -549,9 +546,9 @@ class Engine:
         request_id: int,
         reason: str,
         error: str | None,
+        wakes: _Wakes,
         text: str = "",
         tokens: tuple[int, ...] = (),
-        wakes: _Wakes | None = None,
     ) -> None:
         output = self._outputs.pop(request_id, None)
         if output is None:
@@ -564,19 +561,21 @@ class Engine:
     def _shutdown(self) -> None:
         reason = "error" if self.error else "abort"
         message = self.error or "the engine was closed"
+        wakes: _Wakes = {}
         while True:  # requests still in the inbox
             try:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
                 break
             if kind == "submit":
-                payload[0]._push(StreamEvent("", (), reason, message))
+                payload[0]._push(StreamEvent("", (), reason, message), wakes)
             elif kind == "loaded" and not isinstance(payload[1], Exception):
                 payload[1].release()
                 for drafter in payload[2].values():
                     drafter.release()
         for request_id in list(self._outputs):
-            self._end(request_id, reason, message)
+            self._end(request_id, reason, message, wakes)
+        _wake_loops(wakes)
         self.runner.detach_all()
 
     def _prefix_stats(self) -> dict[str, Any]:

@@ -691,8 +691,8 @@ static void matmul(const Matrix *w, const float *x, int64_t rows, float *y, cons
  * `prompt`; returns -1 without memory. */
 int polylane_matmul(const Matrix *w, const float *x, int64_t rows, float *y, int threads, int prompt) {
     Scratch scratch;
-    Run run = {0, 0, rows, NULL, NULL, NULL};
-    const Runs runs = {prompt && amx_on() ? 1 : 0, 0, &run, 0, 0, NULL};
+    Run run = {.first = 0, .count = rows};
+    const Runs runs = {.count = prompt && amx_on() ? 1 : 0, .runs = &run};
     int status = scratch_alloc(&scratch, rows, w->in_features);
     if (status == 0) matmul(w, x, rows, y, &scratch, threads, &runs);
     scratch_free(&scratch);
@@ -1186,12 +1186,8 @@ static void gated_silu(const float *gate, const float *up, int64_t size, float *
 static void embed(const Model *model, int64_t token, float *row) {
     const Matrix *table = &model->embedding;
     const int64_t e = table->in_features, v = table->out_features;
-    if (table->kind == BF16) {
-        const uint16_t *from = (const uint16_t *)table->weight + token * e;
-        for (int64_t i = 0; i < e; i++) {
-            const uint32_t bits = (uint32_t)from[i] << 16;
-            memcpy(row + i, &bits, sizeof bits);
-        }
+    if (table->kind == BF16) { /* (E is a multiple of 32: `_described`) */
+        for (int64_t i = 0; i < e; i += 16) _mm512_storeu_ps(row + i, load_bf16((const uint16_t *)table->weight + token * e + i));
     } else if (table->kind == FP32_INPUT_MAJOR) {
         for (int64_t i = 0; i < e; i++) row[i] = ((const float *)table->weight)[i * v + token];
     } else {
