@@ -323,7 +323,7 @@ static inline void group_tile_products(const uint32_t *x, int64_t stride, const 
  * tiles in turn and multiplied with up to 16 rows of x at once. The block's sums build up in a
  * contiguous buffer of up to 64 rows and go to y once: y's rows lie N floats apart, a multiple of
  * 4 KiB for most projections, so 16 rows of y would share one set of L1 lines and evict each
- * other every group (16 rows took twice as long as 8). */
+ * other every group. */
 static void int4_block_amx(const Matrix *w, const uint32_t *x_pairs, const float *group_sums,
                            int64_t rows, int64_t block, float *y, int64_t ldy) {
     const int64_t k = w->in_features, n = w->out_features, pairs = k / 2, groups = k / GROUP;
