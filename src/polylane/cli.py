@@ -18,6 +18,8 @@ import time
 from polylane import catalog
 from polylane.types import WEIGHT_DTYPES
 
+DEVICE_HELP = "where models run: auto (default: CUDA when torch sees a GPU, else CPU), cpu, cuda or cuda:N"
+
 
 def _cmd_models(args: argparse.Namespace) -> int:
     if args.models_command == "inspect":
@@ -111,8 +113,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_tokens=args.max_tokens,
     )
-    print(f"loading {args.model} ({args.dtype}) …", file=sys.stderr, flush=True)
-    model = load_model(args.model, args.dtype)
+    print(f"loading {args.model} ({args.dtype}, device {args.device}) …", file=sys.stderr, flush=True)
+    model = load_model(args.model, args.dtype, device=args.device)
     tokenizer = model.tokenizer
     if args.raw or not tokenizer.has_chat_template:
         if not args.raw:
@@ -151,13 +153,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import os
 
+    from polylane.runtime.device import free_memory_bytes, resolve_device
     from polylane.server import config as server_config
     from polylane.server.app import serve
 
     file_data = server_config.load_config_file(args.config) if args.config else {}
-    unknown = set(file_data) - {"budget", "api_key", "host", "port", "lane_policy", "models"}
+    unknown = set(file_data) - {"budget", "api_key", "host", "port", "lane_policy", "models", "device"}
     if unknown:
         raise server_config.ConfigError(f"{args.config}: unknown settings {sorted(unknown)}")
+    device_name = args.device or str(file_data.get("device", "auto"))
+    device = resolve_device(device_name)  # a device that is not there fails here, before any load
     pinned = set(args.pin or [])
     models = server_config.models_from_file(file_data, args.config) if args.config else []
     models += [server_config.model_decl(spec, pinned) for spec in args.models]
@@ -177,7 +182,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     shares = args.replicas if args.ray and budget == "auto" else 1  # under --ray the budget is per replica
     config = server_config.ServerConfig(
         models=tuple(models),
-        budget_bytes=server_config.parse_size(budget) // shares,
+        budget_bytes=server_config.parse_size(budget, lambda: free_memory_bytes(device)) // shares,
+        device=device_name,
         host=args.host or str(file_data.get("host", "127.0.0.1")),
         port=args.port or int(file_data.get("port", 8000)),
         api_key=args.api_key or file_data.get("api_key") or os.environ.get("POLYLANE_API_KEY") or None,
@@ -205,7 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
         "models", nargs="*", help=f"catalogue names or paths (default: {catalog.DEFAULT_MODEL})"
     )
     serve.add_argument("--config", help="TOML file declaring models (dtype, pinned, aliases) and limits")
-    serve.add_argument("--budget", help="memory budget: bytes, a size like 6GiB, or auto (half of free RAM)")
+    serve.add_argument(
+        "--budget", help="memory budget: bytes, a size like 6GiB, or auto (half of free RAM or GPU memory)"
+    )
+    serve.add_argument("--device", help=DEVICE_HELP)
     serve.add_argument("--pin", action="append", help="never evict this model for room (repeatable)")
     serve.add_argument(
         "--dtype",
@@ -274,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--min-p", type=float, default=0.0, help="0 = off")
     generate.add_argument("--seed", type=int, default=None, help="same seed, same output")
     generate.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    generate.add_argument("--device", default="auto", help=DEVICE_HELP)
     generate.set_defaults(run=_cmd_generate)
 
     from polylane.bench.command import add_parser as add_bench_parser

@@ -74,6 +74,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     block_size: int = 16
     quiet: bool = True  # no progress bars while loading
+    device: str = "auto"  # where every model runs: auto (CUDA when torch sees a GPU), cpu, cuda[:N]
 
 
 @dataclass(frozen=True)
@@ -252,7 +253,7 @@ class Engine:
     def __init__(self, config: EngineConfig, manager: ResidencyManager | None = None) -> None:
         self.config = config
         self.manager = manager or ResidencyManager(
-            config.budget_bytes, block_size=config.block_size, quiet=config.quiet
+            config.budget_bytes, block_size=config.block_size, quiet=config.quiet, device=config.device
         )
         self.scheduler = Scheduler(config.scheduler)
         self.runner = Runner()

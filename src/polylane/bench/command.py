@@ -118,6 +118,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     bench.add_argument("--threads", type=int, default=0, help="torch threads per process (0: default)")
     bench.add_argument("--budget", default="64GiB", help="polylane's memory budget (bytes, 6GiB, auto)")
     bench.add_argument(
+        "--device",
+        default="auto",
+        help="where polylane runs: auto (CUDA when torch sees a GPU, else CPU), cpu, cuda, cuda:N",
+    )
+    bench.add_argument(
         "--kv-tokens",
         type=int,
         help="KV cache tokens per model (default 2048; shared-prefix --cross-model: 4 × (prompt + 64))",
@@ -175,12 +180,14 @@ def run(args: argparse.Namespace) -> int:
     from polylane.bench import harness
     from polylane.bench.systems import SystemSettings
     from polylane.bench.workloads import WorkloadOptions
+    from polylane.runtime.device import free_memory_bytes, resolve_device
     from polylane.server.config import parse_size
 
     out = Path(args.out or Path("bench") / "out" / args.workload)
     if args.rebuild:
         results = harness.rebuild(json.loads((out / "results.json").read_text()))
         return _write(results, out)
+    device = resolve_device(args.device)  # a device that is not there fails before any system starts
     cross_model = bool(args.cross_model)
     if cross_model and args.workload != "shared-prefix":
         raise ValueError("--cross-model is a mode of the shared-prefix workload")
@@ -215,7 +222,8 @@ def run(args: argparse.Namespace) -> int:
     settings = SystemSettings(
         models=models,
         dtype=args.dtype,
-        budget_bytes=parse_size(args.budget),
+        budget_bytes=parse_size(args.budget, lambda: free_memory_bytes(device)),
+        device=str(device),
         kv_tokens=kv_tokens,
         lane_policy=args.lane_policy,
         threads=args.threads,

@@ -45,6 +45,7 @@ class EngineSetup:
     kv_tokens: int = 2048
     lane_policy: str = "throughput"
     prefix_cache: bool = True
+    device: str = "auto"  # where the engine's models run (`runtime.device`)
     # The first model's speculation, as `Engine.add_model(speculation=...)` takes it (JSON-able:
     # True, drafter names, or a dict of `SpeculationConfig` fields); None: no speculation.
     speculation: Any = None
@@ -72,8 +73,10 @@ def open_engine(setup: EngineSetup) -> Engine:
     """An engine serving `setup.models`, each loaded and warmed up (a document prefill and a
     two-request decode per model; then, when the first model speculates, one more decode of it
     with every drafter resident), so that no timed request pays a load or a first-call cost."""
-    manager = ResidencyManager(setup.budget_bytes, prefix_cache=setup.prefix_cache)
-    config = EngineConfig(setup.budget_bytes, scheduler=SchedulerConfig(lane_policy=setup.lane_policy))
+    manager = ResidencyManager(setup.budget_bytes, prefix_cache=setup.prefix_cache, device=setup.device)
+    config = EngineConfig(
+        setup.budget_bytes, scheduler=SchedulerConfig(lane_policy=setup.lane_policy), device=setup.device
+    )
     engine = Engine(config, manager=manager)
     try:
         for index, (name, source) in enumerate(setup.models):

@@ -167,6 +167,7 @@ def assemble(
             "repeats": config.repeats,
             "dtype": config.settings.dtype,
             "threads": config.settings.threads,
+            "device": config.settings.device,
             "budget_bytes": config.settings.budget_bytes,
             "kv_tokens": config.settings.kv_tokens,
             "lane_policy": config.settings.lane_policy,

@@ -96,6 +96,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"Models {models}; {settings['dtype']}; seed {settings['seed']}; {settings['repeats']} repeat(s), "
         "the median shown, systems alternating their order every repeat. "
         f"{env['cpu_count']} cores ({env.get('processor') or env['machine']}), "
+        f"polylane on {settings.get('device', 'cpu')}, "
         f"torch {versions.get('torch')}, transformers {versions.get('transformers')}; "
         f"load average {_loads(env)}{_commit(env)}. "
         "Ratios: how many times better polylane is (> 1: polylane better; rates ours ÷ theirs, latencies "

@@ -81,6 +81,7 @@ class SystemSettings:
     kv_tokens: int = 2048
     lane_policy: str = "throughput"
     threads: int = 0  # torch threads per process (0: torch's default)
+    device: str = "auto"  # where polylane's engines run (`runtime.device`)
     drafter: str | None = None  # transformers-assisted: the assistant model's source
     # polylane's speculation for the first model, as `Engine.add_model(speculation=...)` takes it
     # (JSON-able: True, drafter names, or a dict of `SpeculationConfig` fields); None: none.
@@ -310,6 +311,7 @@ def _make_system(name: str, settings: SystemSettings, url: str | None, api_key: 
         "prefix_cache": True,
         "threads": settings.threads,
         "speculation": settings.speculation,
+        "device": settings.device,
     }
     baseline_models = settings.served_by_baselines
     if name == "polylane":

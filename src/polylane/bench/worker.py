@@ -15,7 +15,7 @@ answered with `{"event": "error", "message": ...}` and a non-zero exit. Whatever
 prints goes to its stderr: the real stdout carries the protocol only.
 
 Setups: `{"kind": "engine", "models": [[name, source], ...], "dtype", "budget_bytes",
-"kv_tokens", "lane_policy", "prefix_cache", "threads", "speculation"}` (polylane and its mode
+"kv_tokens", "lane_policy", "prefix_cache", "threads", "speculation", "device"}` (polylane and its mode
 variants, plain, one of the per-process engines; `speculation` is the first model's, as
 `Engine.add_model` takes it, or null), `{"kind": "transformers", "models", "dtype", "assisted",
 "threads"}` or `{"kind": "llama.cpp", "models", "threads"}`.
@@ -102,6 +102,7 @@ class _EngineSystem:
                 lane_policy=setup["lane_policy"],
                 prefix_cache=bool(setup["prefix_cache"]),
                 speculation=setup.get("speculation"),
+                device=setup.get("device", "auto"),
             )
         )
         self.client = EngineClient(self.engine)

@@ -58,6 +58,7 @@ class ForwardBatch:
     logit_rows: torch.Tensor  # (R,) rows of the flat batch whose logits are returned
     chunks: tuple[SequenceChunk, ...]
     context_slots: list[np.ndarray]  # per chunk, the cache slot of each index of its context
+    host_positions: np.ndarray  # `positions` on the host (reading them off a device would wait)
     config: ModelConfig = field(repr=False)
     device: torch.device | str = "cpu"
 
@@ -65,7 +66,7 @@ class ForwardBatch:
     def layouts(self) -> dict[str, AttentionLayout]:
         """The padded attention layout of each layer type (global, sliding), built on first use."""
         layer_types = (GLOBAL, SLIDING) if self.config.has_sliding_layers else (GLOBAL,)
-        positions = self.positions.tolist()
+        positions = self.host_positions.tolist()
         longest_context = max(c.context_len for c in self.chunks)
         source = functools.cache(lambda: _context_source(self.context_slots, longest_context, self.device))
         return {
@@ -145,6 +146,7 @@ def build_forward_batch(
         logit_rows=tensor(np.array(logit_rows, dtype=np.int64)),
         chunks=tuple(chunks),
         context_slots=slots,
+        host_positions=positions,
         config=config,
         device=device,
     )

@@ -64,9 +64,10 @@ class RotaryTable:
             self.rotations = torch.polar(torch.ones_like(angles), angles)
         return self.rotations
 
-    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
-        """(T,) positions → (T, 1, head_dim / 2) complex rotations."""
-        return self.table(int(positions.max()) + 1)[positions].unsqueeze(1)
+    def lookup(self, positions: torch.Tensor, bound: int) -> torch.Tensor:
+        """(T,) positions, each below `bound` → (T, 1, head_dim / 2) complex rotations (the bound
+        comes from the host: reading the largest position off a device would wait for it)."""
+        return self.table(bound)[positions].unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 from polylane import catalog
 from polylane.policy.layer_share import ModelDigest
 from polylane.runtime.converted import converted_path, load_converted, save_converted
+from polylane.runtime.device import model_device, place_model, resolve_device
 from polylane.runtime.digests import model_digest
 from polylane.runtime.loader import LoadedWeights, load_weights, parse_dtype
 from polylane.runtime.model_config import ModelConfig
@@ -38,17 +39,27 @@ class LoadedModel:
     def kv_dtype(self) -> torch.dtype:
         return self.kv_cache_dtype or self.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return model_device(self.module)
+
 
 def load_model(
-    name_or_path: str, dtype: str | torch.dtype = "fp32", quiet: bool = False, convert_cache: bool = True
+    name_or_path: str,
+    dtype: str | torch.dtype = "fp32",
+    quiet: bool = False,
+    convert_cache: bool = True,
+    device: str | torch.device = "auto",
 ) -> LoadedModel:
-    """Resolve (fetching a catalogue model on first use), read weights and tokenizer.
+    """Resolve (fetching a catalogue model on first use), read weights and tokenizer, and put the
+    model on `device` ("auto": CUDA when torch sees a GPU, else CPU; see `runtime.device`).
 
     A GGUF file is dequantised once per dtype; with `convert_cache` the result is kept as
     safetensors (`runtime.converted`) and later loads read that instead. dtype "int4" or "int8"
     gives the quantised twin (`runtime.quantize`): the float32 model with weight-only quantised
     projections (bf16 inside those kernels); its activations and KV are float32.
     """
+    target = resolve_device(device)  # a missing device fails before anything is read
     source = catalog.resolve(name_or_path, quiet=quiet)
     started = time.perf_counter()
     quantised = dtype if isinstance(dtype, str) and dtype in QUANTISED_FORMATS else None
@@ -58,9 +69,13 @@ def load_model(
     if quantised:
         quantize_model(weights.model, quantised)
         weight_bytes = module_bytes(weights.model)
+    tokenizer = load_tokenizer(source)
+    # Per-layer digests for the cross-model prefill share: hashed once per file, then cached
+    # (from the host's tensors, so that they are the same whatever device the model then runs on).
+    digest = model_digest(source, dtype, weights.model, weights.config, tokenizer, run_dtype)
+    place_model(weights.model, target)
     weights.model.native_stack = NativeStack.build(weights.model)
     native_int4 = weights.model.native_stack is not None and quantised == "int4"
-    tokenizer = load_tokenizer(source)
     loaded = LoadedModel(
         name=source.name,
         source=source,
@@ -70,10 +85,9 @@ def load_model(
         dtype=run_dtype,
         weight_bytes=weight_bytes,
         load_seconds=0.0,
+        digest=digest,
         kv_cache_dtype=torch.bfloat16 if native_int4 else None,
     )
-    # Per-layer digests for the cross-model prefill share: hashed once per file, then cached.
-    loaded.digest = model_digest(source, dtype, loaded.module, loaded.config, tokenizer, loaded.dtype)
     loaded.load_seconds = time.perf_counter() - started
     return loaded
 

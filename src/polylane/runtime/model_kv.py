@@ -82,7 +82,7 @@ class ModelKV:
         self.model = model
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, block_size)
-        self.cache = PagedKVCache(model.config, num_blocks, block_size, model.kv_dtype)
+        self.cache = PagedKVCache(model.config, num_blocks, block_size, model.kv_dtype, model.device)
         self.tree = PrefixTree(self.pool, model.name, max_cached_blocks) if prefix_cache else None
 
     def stats(self) -> PrefixTreeStats | None:
@@ -120,7 +120,8 @@ class ModelKV:
     # ------------------------------------------------------------------ forward
 
     def forward(self, extends: Sequence[Extend]) -> torch.Tensor:
-        """One forward over every extend; returns float32 logits for the requested rows, in order."""
+        """One forward over every extend; returns float32 logits for the requested rows, in order,
+        on the host (where sampling and acceptance run), whatever device the model is on."""
         if not extends:
             raise ValueError("a forward pass needs at least one sequence")
         if len({id(e.sequence) for e in extends}) != len(extends):
@@ -147,7 +148,7 @@ class ModelKV:
             for c, e in zip(chunks, extends, strict=True)
         ]
         batch = build_forward_batch(chunks, self.block_size, self.model.config, self.cache.keys[0].device)
-        logits = self.model.module(batch, self.cache)
+        logits = self.model.module(batch, self.cache).cpu()  # the step's one wait for the device
         for extend in extends:
             sequence = extend.sequence
             sequence.blocks.advance(len(extend.token_ids))

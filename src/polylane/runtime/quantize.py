@@ -10,6 +10,10 @@ activations (PERF.md: the activation dtype decides whether the fast kernel runs)
   columns: w ≈ (q − 8)·scale + zero with q in [0, 15] (int8 where a shape does not pack).
 - int8: `aten._weight_int8pack_mm`, symmetric, one scale per output row: w ≈ q·scale.
 
+A projection is built on the host in the CPU kernels' layout; `place` moves it to a CUDA device:
+int4 re-packed for `aten._weight_int4pack_mm` (tinygemm, the same (q − 8)·scale + zero with the
+same scales and zeros), int8 as it is, multiplied as (x · qᵀ) · scale in bf16 (q is exact in bf16).
+
 Everything else runs in float32 as in the target: each projection casts its input to bf16 and
 its output back (measured on SmolLM2, one thread: a decode step of 23 ms this way against 39 ms
 with bf16 activations throughout, on a CPU without bf16 units; the fp32 target took 104 ms). The
@@ -21,6 +25,7 @@ output exact.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from polylane.runtime.layers import Projection, linear
@@ -74,9 +79,35 @@ class QuantizedProjection(nn.Module):
         self.register_buffer("qweight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
         self.register_buffer("scales", scales_and_zeros.contiguous().to(torch.bfloat16))
 
+    @property
+    def on_cpu(self) -> bool:
+        return self.qweight.device.type == "cpu"
+
+    def place(self, device: torch.device) -> None:
+        """Move to `device`, re-packing the int4 weight for that device's kernel (CUDA)."""
+        if device.type == "cpu" or not self.on_cpu:
+            return
+        if device.type not in ("cuda", "meta"):  # meta: shapes only (tests check placement on it)
+            raise ValueError(f"quantised projections run on CPU or CUDA, not {device}")
+        if self.bits == 4:
+            q = self.nibbles()  # (N, K): 0..15
+            packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8).to(device)  # even column high
+            inner_k_tiles = next(t for t in (8, 4, 2) if self.in_features % (16 * t) == 0)
+            self.qweight = torch.ops.aten._convert_weight_to_int4pack(packed, inner_k_tiles)
+        else:
+            self.qweight = self.qweight.to(device)
+        self.scales = self.scales.to(device)
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.bias.to(device), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x16 = x.to(torch.bfloat16)
-        if x16.shape[0] >= DEQUANTIZE_MIN_ROWS and self.bits == 4 and self.out_features % 64 == 0:
+        if not self.on_cpu:
+            if self.bits == 8:
+                y = F.linear(x16, self.qweight.to(torch.bfloat16)) * self.scales
+            else:
+                y = torch.ops.aten._weight_int4pack_mm(x16, self.qweight, INT4_GROUP, self.scales)
+        elif x16.shape[0] >= DEQUANTIZE_MIN_ROWS and self.bits == 4 and self.out_features % 64 == 0:
             # many rows (prefill): dequantised bf16 slices of the weight and dense GEMMs beat
             # torch's int4 kernel, which is fast only for a few rows (see DEQUANTIZE_MIN_ROWS)
             step = max(64, DEQUANTIZE_BLOCK_ELEMENTS // self.in_features // 64 * 64)
@@ -107,15 +138,30 @@ class QuantizedProjection(nn.Module):
         """
         stop = self.out_features if stop is None else stop
         n, k = stop - start, self.in_features
-        packed = self.qweight.view(-1, k // 2, 2, 32)[start // 64 : stop // 64]  # [b, k//2, k%2, n%32]
-        halves = torch.stack([packed & 0xF, packed >> 4], dim=1)  # [b, n // 32 % 2, k // 2, k % 2, n % 32]
-        q = halves.permute(0, 1, 4, 2, 3).reshape(n, k // INT4_GROUP, INT4_GROUP)
+        q = self.nibbles(start, stop).view(n, k // INT4_GROUP, INT4_GROUP)
         scales, zeros = self.scales[:, start:stop].permute(2, 1, 0)[:, :, :, None]  # (n, K / group, 1)
         return ((q.float() - 8) * scales.float() + zeros.float()).view(n, k)
 
+    def nibbles(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows [start, stop) of the int4 codes q (N, K) in [0, 15], unpacked from the CPU packing
+        (see `dequantized_float`)."""
+        if self.bits != 4 or not self.on_cpu:
+            raise ValueError("only a CPU-packed int4 projection unpacks its codes")
+        stop = self.out_features if stop is None else stop
+        n, k = stop - start, self.in_features
+        if self.out_features % 64:  # another packing: the kernel itself, scale 1 and zero 0, gives q − 8
+            unit = torch.zeros_like(self.scales)
+            unit[..., 0] = 1
+            eye = torch.eye(k, dtype=torch.bfloat16)
+            codes = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, INT4_GROUP, unit)
+            return (codes.t()[start:stop].float() + 8).to(torch.uint8)
+        packed = self.qweight.view(-1, k // 2, 2, 32)[start // 64 : stop // 64]  # [b, k//2, k%2, n%32]
+        halves = torch.stack([packed & 0xF, packed >> 4], dim=1)  # [b, n // 32 % 2, k // 2, k % 2, n % 32]
+        return halves.permute(0, 1, 4, 2, 3).reshape(n, k)
+
     def dequantized(self) -> torch.Tensor:
         """The weight (N, K) float32 this projection multiplies by (for tests)."""
-        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.qweight.device)
         bias, self.bias = self.bias, None
         try:
             return self.forward(eye).float().t()

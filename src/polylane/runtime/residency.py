@@ -11,7 +11,9 @@ threads wanting a model that is loading wait for that load. A load that fails (m
 or truncated file, or a model that does not fit) fails only its own admission, with a clear error:
 before anything is evicted the file's header is read and its weight bytes estimated (the KV
 reservation is added once the loaded model is measured), and a failure after that returns the
-reservation. On CPU the host tier is the device; there is no other tier here.
+reservation. All models run on one device (`device`, CPU or CUDA): on CPU the host tier is the
+device; on CUDA the budget counts device memory, and an evicted model is dropped, not paged out to
+the host (its next use loads it again).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psutil
+import torch
 
 from polylane import catalog
 from polylane.policy.residency import (
@@ -38,6 +41,7 @@ from polylane.policy.residency import (
     ResidencyError,
     ResidencyPool,
 )
+from polylane.runtime.device import resolve_device
 from polylane.runtime.load_thread import run_in_transient_thread
 from polylane.runtime.loaded_model import LoadedModel, load_model
 from polylane.runtime.loader import LoadError, estimate_weight_bytes, parse_dtype
@@ -128,10 +132,13 @@ class ResidencyManager:
         block_size: int = DEFAULT_BLOCK_SIZE,
         quiet: bool = True,
         prefix_cache: bool = True,
+        device: str | torch.device = "auto",
     ) -> None:
         """`eviction`: "lru" or "cost" (cost-aware, fed each model's measured load seconds); see
         `policy.residency`. `prefix_cache`: give each loaded model's KV a prefix tree (off: every
-        prompt is prefilled in full, e.g. the `plain` bench baseline)."""
+        prompt is prefilled in full, e.g. the `plain` bench baseline). `device`: where every model
+        runs ("auto": CUDA when torch sees a GPU, else CPU; `runtime.device`)."""
+        self.device = resolve_device(device)
         self.block_size = block_size
         self.quiet = quiet
         self.prefix_cache = prefix_cache
@@ -297,7 +304,7 @@ class ResidencyManager:
         rss_before = psutil.Process().memory_info().rss
         started = time.perf_counter()
         with _weights_in_own_mappings():
-            model = load_model(spec.source, spec.dtype, quiet=self.quiet)
+            model = load_model(spec.source, spec.dtype, quiet=self.quiet, device=self.device)
             num_blocks = -(-spec.kv_tokens // self.block_size)
             kv = ModelKV(
                 model, num_blocks=num_blocks, block_size=self.block_size, prefix_cache=self.prefix_cache
@@ -325,6 +332,8 @@ class ResidencyManager:
         del evictions[:]
         gc.collect()
         _return_freed_memory()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # torch's caching allocator hands the device memory back
 
     def _info(self, state: ModelState) -> ModelInfo:
         spec = self._specs[state.name]

@@ -129,6 +129,7 @@ def build_state(config: ServerConfig, *, quiet: bool = False) -> ServerState:
             budget_bytes=config.budget_bytes,
             scheduler=SchedulerConfig(lane_policy=config.lane_policy),
             quiet=quiet,
+            device=config.device,
         )
     )
     aliases: dict[str, str] = {}

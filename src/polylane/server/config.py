@@ -3,6 +3,7 @@
 A config file declares models and limits:
 
     budget = "6GiB"          # bytes, a size with a unit, or "auto"
+    device = "auto"          # auto (CUDA when torch sees a GPU, else CPU) | cpu | cuda | cuda:N
     api_key = "secret"       # optional; the POLYLANE_API_KEY environment variable also sets it
 
     [[models]]
@@ -29,7 +30,8 @@ resident same-tokenizer smaller model and n-gram lookup), a list of drafters ("n
 "topk:3,2,1" | "beam:2x4" | "dynamic:6,4,16", max_draft_tokens, max_tree_nodes, adaptive, …).
 
 Model names (and aliases) are looked up in this registry; a name a client sends is never used as
-a path. "auto" budgets half of the memory available at start.
+a path. "auto" budgets half of the memory available at start: of host RAM on CPU, of the GPU's
+free memory on CUDA.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from __future__ import annotations
 import re
 import sys
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,17 +91,19 @@ class ServerConfig:
     api_key: str | None = None
     lane_policy: str = "throughput"
     limits: Limits = field(default_factory=Limits)
+    device: str = "auto"
 
 
-def parse_size(value: str | int) -> int:
-    """Bytes from an int or a string like "6GiB", "512MB", "auto"."""
+def parse_size(value: str | int, free_bytes: Callable[[], int] | None = None) -> int:
+    """Bytes from an int or a string like "6GiB", "512MB", "auto" (half of `free_bytes()`, by
+    default of the host's available RAM)."""
     if isinstance(value, int):
         if value < 0:
             raise ConfigError(f"budget must be >= 0, got {value}")
         return value
     text = str(value).strip().lower()
     if text == "auto":
-        return psutil.virtual_memory().available // 2
+        return (free_bytes() if free_bytes else psutil.virtual_memory().available) // 2
     match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", text)
     if not match or match[2] not in _UNITS:
         raise ConfigError(f"cannot read size {value!r} (examples: 4000000000, 6GiB, 512MB, auto)")

@@ -106,7 +106,8 @@ class DecoderModel(nn.Module):
             hidden = self.embed(batch.token_ids)  # (T, E)
             if self.config.embedding_scale != 1.0:
                 hidden = hidden * torch.tensor(self.config.embedding_scale, dtype=hidden.dtype)
-        rotary = {kind: table.lookup(batch.positions) for kind, table in self._rotary.items()}
+        bound = max(c.context_len for c in batch.chunks)  # every position is below its context length
+        rotary = {kind: table.lookup(batch.positions, bound) for kind, table in self._rotary.items()}
         context = ForwardContext(batch, kv_cache, rotary)
         for index in range(start_layer, len(self.layers)):
             if index in kv_cache.boundary_states:
