@@ -150,3 +150,21 @@ def test_smollm2_on_cuda_decodes_what_it_decodes_on_the_cpu(dtype):
     # fp32: the same numbers up to summation order; int4: CUDA's kernel sums in another order than
     # the CPU's, so a near tie may fork late, but not within the first tokens
     assert agree >= (24 if dtype == "fp32" else 8), f"{dtype}: CPU and CUDA fork at token {agree}: {outputs}"
+
+
+@needs_cuda
+def test_evicting_a_model_on_cuda_gives_its_device_memory_back():
+    from polylane.runtime.residency import ResidencyManager
+
+    fetch_or_skip(SMOL)
+    manager = ResidencyManager(8 * 2**30, device="cuda")
+    manager.register("m", SMOL, dtype="fp32", kv_tokens=256)
+    before = torch.cuda.memory_allocated()
+    with manager.acquire("m"):
+        loaded = torch.cuda.memory_allocated()
+    [info] = manager.snapshot()
+    manager.evict("m")
+    after = torch.cuda.memory_allocated()
+    manager.close()
+    assert loaded - before > 0.9 * info.bytes, "the model's bytes were not on the device"
+    assert after - before < 0.05 * info.bytes, f"{(after - before) / 2**20:.0f} MiB still held after eviction"

@@ -73,7 +73,7 @@ RSS_SCRIPT = """
 import json, psutil
 from polylane.runtime.residency import ResidencyManager
 rss = lambda: psutil.Process().memory_info().rss
-manager = ResidencyManager(8 * 2**30)
+manager = ResidencyManager(8 * 2**30, device="cpu")  # host memory is what this measures
 manager.register("m", SOURCE, dtype="bf16", kv_tokens=256)
 with manager.acquire("m"):  # a warm-up cycle: imports, tokenizer caches, a first conversion
     pass

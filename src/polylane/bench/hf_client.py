@@ -28,13 +28,14 @@ from typing import Any
 from polylane import catalog
 from polylane.bench.metrics import RequestTimeline
 from polylane.bench.workloads import BenchRequest, Phase
+from polylane.runtime.device import resolve_device
 from polylane.runtime.tokenizer import Tokenizer, load_tokenizer
 
 PROMPT_LOOKUP = "prompt-lookup"
 PROMPT_LOOKUP_TOKENS = 10
 
 
-def load_hf_model(source: str, dtype: str) -> Any:
+def load_hf_model(source: str, dtype: str, device: str = "cpu") -> Any:
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -50,7 +51,7 @@ def load_hf_model(source: str, dtype: str) -> Any:
         model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch_dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(file, dtype=torch_dtype)
-    return model.eval()
+    return model.to(device).eval()
 
 
 class _TimingStreamer:
@@ -81,12 +82,18 @@ class _Loaded:
 
 class TransformersRunner:
     def __init__(
-        self, models: Sequence[tuple[str, str]], dtype: str = "fp32", assisted: str | None = None
+        self,
+        models: Sequence[tuple[str, str]],
+        dtype: str = "fp32",
+        assisted: str | None = None,
+        device: str = "auto",
     ) -> None:
         """`models`: (name, catalogue name or path). `assisted`: None, "prompt-lookup", or the
-        source of a drafter model (assisted generation)."""
+        source of a drafter model (assisted generation). `device`: where the models run (the
+        device polylane runs on in the same bench)."""
         self.sources = dict(models)
         self.dtype = dtype
+        self.device = str(resolve_device(device))
         self.assisted = assisted
         self._loaded: dict[str, _Loaded] = {}
         self._drafter: Any = None
@@ -97,14 +104,15 @@ class TransformersRunner:
         for name in self.sources:
             self._model(name)
         if self.assisted not in (None, PROMPT_LOOKUP):
-            self._drafter = load_hf_model(self.assisted, self.dtype)  # type: ignore[arg-type]
+            self._drafter = load_hf_model(self.assisted, self.dtype, self.device)  # type: ignore[arg-type]
         self.load_seconds = time.perf_counter() - started
 
     def _model(self, name: str) -> _Loaded:
         if name not in self._loaded:
             source = self.sources[name]
             self._loaded[name] = _Loaded(
-                load_hf_model(source, self.dtype), load_tokenizer(catalog.resolve(source, quiet=True))
+                load_hf_model(source, self.dtype, self.device),
+                load_tokenizer(catalog.resolve(source, quiet=True)),
             )
         return self._loaded[name]
 
@@ -177,7 +185,10 @@ class TransformersRunner:
         sent = now()
         with torch.inference_mode():
             output = loaded.model.generate(
-                input_ids=input_ids, attention_mask=attention, streamer=streamer, **kwargs
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention.to(self.device),
+                streamer=streamer,
+                **kwargs,
             )
         generated = output[:, width:]  # (B, new tokens)
         arrival = [0.0] * generated.shape[1]  # time each generated position reached the client

@@ -187,7 +187,13 @@ class WorkerSystem(System):
         self.workers: dict[str, _Worker] = {}
 
     def open(self) -> float:
-        groups = [(n, [(n, s)]) for n, s in self.models] if self.per_model else [("all", list(self.models))]
+        if self.per_model:  # a sibling:N source names the first model as its provider: resolved here
+            from polylane.bench.engine_client import resolve_source
+
+            models = tuple(self.models)
+            groups = [(n, [(n, resolve_source(s, models))]) for n, s in models]
+        else:
+            groups = [("all", list(self.models))]
         try:
             for key, models in groups:  # all start at once: the loads overlap, as they would
                 self.workers[key] = _Worker(f"{self.name}/{key}", {**self.setup, "models": models})
@@ -328,7 +334,12 @@ def _make_system(name: str, settings: SystemSettings, url: str | None, api_key: 
     if name == "per-process":  # polylane deployed one process per model: it speculates alike
         return WorkerSystem(name, engine_setup, baseline_models, per_model=True)
     if name in ("transformers", "transformers-assisted", "transformers-lookup"):
-        setup = {"kind": "transformers", "dtype": settings.dtype, "threads": settings.threads}
+        setup = {
+            "kind": "transformers",
+            "dtype": settings.dtype,
+            "threads": settings.threads,
+            "device": settings.device,
+        }
         if name == "transformers-assisted":
             setup["assisted"] = settings.drafter or "prompt-lookup"
         elif name == "transformers-lookup":

@@ -18,7 +18,7 @@ Setups: `{"kind": "engine", "models": [[name, source], ...], "dtype", "budget_by
 "kv_tokens", "lane_policy", "prefix_cache", "threads", "speculation", "device"}` (polylane and its mode
 variants, plain, one of the per-process engines; `speculation` is the first model's, as
 `Engine.add_model` takes it, or null), `{"kind": "transformers", "models", "dtype", "assisted",
-"threads"}` or `{"kind": "llama.cpp", "models", "threads"}`.
+"threads", "device"}` or `{"kind": "llama.cpp", "models", "threads"}`.
 """
 
 from __future__ import annotations
@@ -145,7 +145,9 @@ class _TransformersSystem:
         from polylane.bench.hf_client import TransformersRunner
 
         resolved = tuple((name, resolve_source(source, models)) for name, source in models)
-        self.runner = TransformersRunner(resolved, setup["dtype"], setup.get("assisted"))
+        self.runner = TransformersRunner(
+            resolved, setup["dtype"], setup.get("assisted"), setup.get("device", "auto")
+        )
         self.runner.load_all()
         self.runner.warm_up()
 
