@@ -22,15 +22,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import functools
 import json
 import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from polylane.bench.engine_client import EngineSetup, open_engine
-from polylane.engine import Engine
+from polylane.bench.engine_client import SUBMIT_THREADS, EngineSetup, open_engine
+from polylane.engine import Engine, EngineConfig
 from polylane.runtime import detokenizer, model_kv, runner
 from polylane.types import SamplingParams
 
@@ -122,13 +125,17 @@ class _TimedLibrary:
         return timed
 
 
-async def send_all(engine: Engine, model: str, batch: int, max_tokens: int, repeat: int) -> list[list[float]]:
+async def send_all(
+    engine: Engine, submitter: ThreadPoolExecutor, model: str, batch: int, max_tokens: int, repeat: int
+) -> list[list[float]]:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    loop = asyncio.get_running_loop()
 
     async def one(i: int) -> list[float]:
         question = f"Question {repeat}.{i}: name a river and say where it flows."
         messages = [{"role": "user", "content": question}]
-        handle = await asyncio.to_thread(engine.submit, model, messages=messages, params=params)
+        submit = functools.partial(engine.submit, model, messages=messages, params=params)
+        handle = await loop.run_in_executor(submitter, submit)
         times = []
         async for event in handle:
             if event.token_ids:
@@ -145,19 +152,29 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument(
+        "--arrival-quiet-ms",
+        type=float,
+        default=EngineConfig.arrival_quiet_s * 1e3,
+        help="EngineConfig.arrival_quiet_s in ms (0: the first step starts as soon as a request lands)",
+    )
     args = parser.parse_args()
     engine = open_engine(EngineSetup(models=((args.model, args.model),), dtype=args.dtype))
+    engine.config = dataclasses.replace(engine.config, arrival_quiet_s=args.arrival_quiet_ms / 1e3)
     clock = StepClock()
+    submitter = ThreadPoolExecutor(SUBMIT_THREADS)  # as the bench's EngineClient submits
     try:
         instrument(engine, args.model, clock)
         aggregates = []
         for repeat in range(args.repeats):
             clock.repeat_started = False
-            streams = asyncio.run(send_all(engine, args.model, args.batch, args.max_tokens, repeat))
+            sending = send_all(engine, submitter, args.model, args.batch, args.max_tokens, repeat)
+            streams = asyncio.run(sending)
             span = max(s[-1] for s in streams) - min(s[0] for s in streams)
             aggregates.append(sum(len(s) - 1 for s in streams) / span)
             clock.end_step()
     finally:
+        submitter.shutdown()
         engine.close()
     steps = clock.steps
     medians = {part: statistics.median(s.get(part, 0.0) for s in steps) * 1e3 for part in PARTS}

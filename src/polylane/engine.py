@@ -64,6 +64,12 @@ def _header_bytes(source: catalog.ModelSource, dtype: str) -> int:
         return 0
 
 
+# Woken from idle, the loop gathers a burst (`EngineConfig.arrival_quiet_s`), polling this often,
+# for at most this long.
+ARRIVAL_POLL_S = 0.0002
+ARRIVAL_WAIT_S = 0.02
+
+
 class EngineDeadError(RuntimeError):
     """The engine loop stopped (closed, or an internal error); no request can be served."""
 
@@ -75,6 +81,10 @@ class EngineConfig:
     block_size: int = 16
     quiet: bool = True  # no progress bars while loading
     device: str = "auto"  # where every model runs: auto (CUDA when torch sees a GPU), cpu, cuda[:N]
+    # Woken from idle, the first step waits until no request has arrived for this long (and no
+    # submit is still tokenising), at most ARRIVAL_WAIT_S: a burst of clients then prefills in one
+    # step rather than as a first request and then the rest (0: start at once).
+    arrival_quiet_s: float = 0.002
 
 
 @dataclass(frozen=True)
@@ -265,6 +275,8 @@ class Engine:
         self._wake = threading.Event()
         self._ids = itertools.count(1)
         self._submit_lock = threading.Lock()
+        self._arriving = 0  # `submit` calls under way (rendering, tokenising) in other threads
+        self._arriving_lock = threading.Lock()
         self._loader = TransientWorker("polylane-load")  # lives only while it loads (see its module)
         self._stopping = False
         self.error: str | None = None
@@ -341,6 +353,23 @@ class Engine:
         if served is None:
             raise UnknownModelError(model, list(self._models))
         params = params or SamplingParams()
+        with self._arriving_lock:
+            self._arriving += 1
+        try:
+            return self._queue(model, served, prompt, messages, params, priority)
+        finally:
+            with self._arriving_lock:
+                self._arriving -= 1
+
+    def _queue(
+        self,
+        model: str,
+        served: ServedModel,
+        prompt: str | Sequence[int] | None,
+        messages: list[dict[str, str]] | None,
+        params: SamplingParams,
+        priority: int,
+    ) -> RequestHandle:
         prompt_ids = self.prompt_ids(model, prompt, messages)
         needed = len(prompt_ids) + params.max_tokens
         if needed > served.max_context:
@@ -422,15 +451,29 @@ class Engine:
             self._shutdown()
 
     def _let_submissions_land(self) -> None:
-        """Woken from idle: hand the GIL over while the inbox still grows, so that requests other
-        threads are submitting at this moment (a burst of clients) join the first step's prefill
-        instead of waiting a whole prefill step for the next. A lone request costs one yield."""
+        """Woken from idle: let requests that other threads are submitting at this moment (a burst
+        of clients) join the first step's prefill instead of waiting a whole prefill step for the
+        next: hand the GIL over while the inbox still grows, then wait until no request has
+        arrived for `arrival_quiet_s` and no `submit` is still rendering or tokenising its
+        prompt, at most ARRIVAL_WAIT_S. A lone request waits `arrival_quiet_s` (2 ms)."""
         seen = -1
         for _ in range(16):
             if self._inbox.qsize() == seen:
-                return
+                break
             seen = self._inbox.qsize()
             time.sleep(0)  # releases the GIL: a submitting thread waiting for it runs
+        quiet = self.config.arrival_quiet_s
+        if quiet <= 0 or not (seen or self._arriving):  # (a timeout's wake: nothing came)
+            return
+        deadline = time.perf_counter() + ARRIVAL_WAIT_S
+        quiet_until = time.perf_counter() + quiet
+        while time.perf_counter() < deadline:
+            size = self._inbox.qsize()
+            if size != seen:
+                seen, quiet_until = size, time.perf_counter() + quiet
+            elif not self._arriving and time.perf_counter() >= quiet_until:
+                return
+            time.sleep(ARRIVAL_POLL_S)
 
     def _drain_inbox(self) -> None:
         while True:

@@ -304,3 +304,66 @@ def test_a_sampler_that_fails_fails_only_its_request(monkeypatch):
         assert broken.done and broken.result(timeout=0).finish_reason == "error"
         assert engine.alive
         _assert_blocks_returned(engine)
+
+
+def _first_prefill_step(engine: Engine, submit_all) -> list[int]:
+    """The request ids of the first step that prefills after `submit_all()` wakes an idle engine."""
+    steps: list[list[int]] = []
+    execute = engine.runner.execute
+
+    def recording(plan):
+        if plan.prefill:
+            steps.append([w.request_id for w in plan.prefill])
+        return execute(plan)
+
+    engine.runner.execute = recording
+    handles = submit_all()
+    for handle in handles:
+        assert handle.result(timeout=120).finish_reason == "length"
+    return steps[0]
+
+
+def _idle_engine(quiet_s: float) -> Engine:
+    engine = Engine(EngineConfig(budget_bytes=4 * 2**30, arrival_quiet_s=quiet_s))
+    engine.add_model(SMOL, dtype=DTYPE, kv_tokens=KV_TOKENS)
+    engine.generate(SMOL, "Warm up", SamplingParams(max_tokens=2))  # loaded, then idle again
+    return engine
+
+
+def test_a_submit_still_tokenising_joins_the_first_prefill_step():
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    with _idle_engine(quiet_s=0.002) as engine:
+        slow_started = threading.Event()
+        prompt_ids = engine.prompt_ids
+
+        def tokenise(model, prompt, messages):
+            if prompt == "slow":
+                slow_started.set()
+                time.sleep(0.01)  # a long prompt's template and tokeniser, 5× the quiet window
+            else:
+                slow_started.wait(5)
+            return prompt_ids(model, prompt, messages)
+
+        engine.prompt_ids = tokenise
+        slow: list = []
+
+        def submit_all():
+            thread = threading.Thread(target=lambda: slow.append(engine.submit(SMOL, "slow", params=params)))
+            thread.start()
+            fast = engine.submit(SMOL, "fast", params=params)  # lands first and wakes the engine
+            thread.join()
+            return [fast, *slow]
+
+        assert len(_first_prefill_step(engine, submit_all)) == 2, "the slow submit missed the first step"
+
+
+def test_requests_a_moment_apart_from_idle_prefill_together():
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    with _idle_engine(quiet_s=0.05) as engine:
+
+        def submit_all():
+            first = engine.submit(SMOL, "The capital of France is", params=params)
+            time.sleep(0.01)
+            return [first, engine.submit(SMOL, "The capital of Italy is", params=params)]
+
+        assert len(_first_prefill_step(engine, submit_all)) == 2

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,12 +110,22 @@ def _check_warm_up(name: str, completion: Any) -> None:
         raise RuntimeError(f"warm-up of {name!r} failed: {completion.error}")
 
 
+# Threads that submit requests (render the chat template, tokenise, queue), as many as the
+# server's request thread pool has (anyio's default limiter): asyncio's default executor has
+# min(32, cores + 4), 6 on 2 cores, so 8 requests "sent at once" reached the engine as 6 and then 2.
+SUBMIT_THREADS = 40
+
+
 class EngineClient:
     """Sends bench requests to an in-process engine (greedy), timing each stream event."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.in_flight: dict[str, RequestHandle] = {}  # bench request id → its handle, until it ends
+        self._submitter = ThreadPoolExecutor(SUBMIT_THREADS, thread_name_prefix="bench-submit")
+
+    def close(self) -> None:
+        self._submitter.shutdown(wait=False, cancel_futures=True)
 
     def describe_in_flight(self) -> str:
         """What the requests still in flight are doing (for a phase that timed out)."""
@@ -136,7 +147,9 @@ class EngineClient:
         sent = now()
         params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=request.ignore_eos)
         try:
-            handle = await asyncio.to_thread(self._submit, request, params)
+            handle = await asyncio.get_running_loop().run_in_executor(
+                self._submitter, self._submit, request, params
+            )
         except Exception as error:  # refused before queueing (too long, unknown model)
             return error_timeline(request, sent, error)
         first: float | None = None

@@ -125,6 +125,7 @@ class _EngineSystem:
         return timelines, engine_counters(self.engine).delta(before).to_dict()
 
     def close(self) -> None:
+        self.client.close()
         self.engine.close()
 
 
