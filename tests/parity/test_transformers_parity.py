@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 from dataclasses import dataclass
 
 import pytest
@@ -66,13 +67,15 @@ def _prompt_ids(tokenizer, name: str) -> dict[str, list[int]]:
 @torch.inference_mode()
 def _hf_greedy(model, prompt_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
     """Last-position logits of the prompt and GREEDY_TOKENS greedy tokens (no EOS stop)."""
+    # transformers renamed `past_key_values` to `cache` (5.2x); the pin allows both sides
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model(torch.tensor([prompt_ids]), use_cache=True)
     first_logits = out.logits[0, -1].float().clone()
-    past, token = out.past_key_values, int(out.logits[0, -1].argmax())
+    past, token = getattr(out, name), int(out.logits[0, -1].argmax())
     tokens = [token]
     for _ in range(GREEDY_TOKENS - 1):
-        out = model(torch.tensor([[token]]), past_key_values=past, use_cache=True)
-        past, token = out.past_key_values, int(out.logits[0, -1].argmax())
+        out = model(torch.tensor([[token]]), use_cache=True, **{name: past})
+        past, token = getattr(out, name), int(out.logits[0, -1].argmax())
         tokens.append(token)
     return first_logits, tokens
 
