@@ -326,3 +326,49 @@ def test_kernels_build_on_first_use_and_a_failed_build_falls_back(tmp_path, monk
     assert "kernels are unavailable" in caplog.text
     monkeypatch.setenv(build.NATIVE_ENV, "0")
     assert build_once("decoder") is None
+
+
+@needs_native
+@pytest.mark.parametrize(("dtype", "tolerance"), [("fp32", 1e-5), ("int4", 0.05)])
+def test_boundary_states_are_recorded_as_the_torch_path_records_them(load_real_model, dtype, tolerance):
+    # a model whose peer shares its lower layers keeps the hidden state entering the band's top
+    # (and the last layer's output) per slot; natively as on torch, so it may stay native
+    model = load_real_model(SMOL, dtype)
+    module = _native(model)
+    prompt = tuple(model.tokenizer.encode(TEXT))[:40]
+    band, last = 15, module.config.num_layers
+    step_by_step = len(prompt) >= module.native_stack.max_tokens  # fp32 runs only a few rows natively
+
+    def run() -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        cache = PagedKVCache(module.config, 8, 16, model.kv_dtype)
+        cache.add_boundary(band)
+        cache.add_boundary(last)
+        table = tuple(range(8))
+        if step_by_step:
+            for i, token in enumerate(prompt):
+                _forward(module, cache, [SequenceChunk((token,), i, table)])
+        else:
+            _forward(module, cache, [SequenceChunk(prompt, 0, table)])
+            _forward(module, cache, [SequenceChunk((17,), len(prompt), table)])  # and a decode step
+        kept = {layer: (cache.boundary_states[layer], cache.boundary_valid[layer]) for layer in (band, last)}
+        return {layer: (states.clone(), valid.clone()) for layer, (states, valid) in kept.items()}
+
+    stack, native_forwards = module.native_stack, []
+    forward = stack.forward
+
+    def counted(*args):
+        logits = forward(*args)
+        native_forwards.append(logits is not None)
+        return logits
+
+    stack.forward = counted
+    try:
+        fast, reference = _native_and_torch(module, run)
+    finally:
+        del stack.forward
+    assert native_forwards and all(native_forwards), "a forward keeping boundary states left the native stack"
+    for layer in (band, last):
+        (states, valid), (expected, expected_valid) = fast[layer], reference[layer]
+        assert torch.equal(valid, expected_valid) and int(valid.sum()) == len(prompt) + (not step_by_step)
+        relative = (states.float() - expected.float()).abs().max() / expected.float().abs().max()
+        assert relative <= tolerance, f"layer {layer}: states differ by {relative:.3g} of the largest"

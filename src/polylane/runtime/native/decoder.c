@@ -79,6 +79,8 @@ typedef struct {
     const float *input_norm, *post_norm; /* (E,) */
     Matrix qkv, o, gate_up, down;
     void *keys, *values; /* (slots, Hkv * D), bf16 or float32 (Model.kv_bf16) */
+    void *boundary;      /* (slots, E) each slot's input to this layer, as the KV; NULL: not kept */
+    uint8_t *boundary_valid; /* (slots,) that input belongs to the slot's K/V */
 } Layer;
 
 typedef struct {
@@ -90,6 +92,8 @@ typedef struct {
     Matrix lm_head;
     Matrix embedding;      /* FP32 or BF16 (V, E), or FP32_INPUT_MAJOR (E, V) */
     float embedding_scale; /* the embedding rows are multiplied by it */
+    void *final_boundary;  /* (slots, E) the last layer's output per slot, as `boundary`; NULL: not kept */
+    uint8_t *final_boundary_valid;
 } Model;
 
 typedef struct {
@@ -1197,6 +1201,20 @@ static void embed(const Model *model, int64_t token, float *row) {
         for (int64_t i = 0; i < e; i++) row[i] *= model->embedding_scale;
 }
 
+/* Keep each token's hidden state `hidden` (T, E) at its slot of `states` (the KV cache's element
+ * type) and mark it valid: the boundary states a model sharing its lower layers continues from
+ * (runtime/kv_cache.py `write_boundary`, the same rounding). */
+static void record_boundary(const Model *model, const Step *step, const float *hidden, void *states,
+                            uint8_t *valid) {
+    const int64_t e = model->hidden;
+    for (int64_t i = 0; i < step->tokens; i++) {
+        const int64_t slot = step->slots[i];
+        if (model->kv_bf16) store_bf16(hidden + i * e, e, (uint16_t *)states + slot * e);
+        else memcpy((float *)states + slot * e, hidden + i * e, sizeof(float) * (size_t)e);
+        valid[slot] = 1;
+    }
+}
+
 /* Embed the step's tokens, run every layer over them, then the final norm and output projection of
  * the rows `step->logit_rows` into `logits` (R, V). Returns 0, or -1 when scratch memory ran out. */
 int polylane_forward(const Model *model, const Step *step, float *logits) {
@@ -1226,6 +1244,7 @@ int polylane_forward(const Model *model, const Step *step, float *logits) {
     EACH_ROW(i, t, embed(model, step->token_ids[i], hidden + i * e));
     for (int64_t l = 0; l < model->num_layers; l++) {
         const Layer *layer = &model->layers[l];
+        if (layer->boundary) record_boundary(model, step, hidden, layer->boundary, layer->boundary_valid);
         EACH_ROW(i, t, rms_norm(hidden + i * e, layer->input_norm, e, model->eps, normed + i * e));
         matmul(&layer->qkv, normed, t, wide, &scratch, threads, &runs);
         EACH_ROW(i, t, rotate_and_store(model, layer, wide + i * qkv_width, step->rotations + step->positions[i] * dim,
@@ -1239,6 +1258,7 @@ int polylane_forward(const Model *model, const Step *step, float *logits) {
         matmul(&layer->down, narrow, t, residual, &scratch, threads, &runs);
         EACH_ROW(i, t, for (int64_t j = i * e; j < (i + 1) * e; j++) hidden[j] += residual[j]);
     }
+    if (model->final_boundary) record_boundary(model, step, hidden, model->final_boundary, model->final_boundary_valid);
     for (int64_t r = 0; r < step->num_logits; r++)
         rms_norm(hidden + step->logit_rows[r] * e, model->final_norm, e, model->eps, normed + r * e);
     matmul(&model->lm_head, normed, step->num_logits, logits, &scratch, threads, NULL); /* logit rows: exact */

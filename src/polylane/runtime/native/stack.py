@@ -5,8 +5,9 @@ projections int4, bf16 or float32 with output rows in blocks of 64, a C compiler
 AVX512-BF16 and VBMI), describing its weights to the C code once (`NativeStack.build`, called by
 `load_model`), and, per forward, the index arrays the C code reads (which slots each token writes
 and reads, which keys it may see). `DecoderModel.forward` asks `NativeStack.forward` first; a None
-answer (a batch of many tokens, boundary states to record, a cache off the CPU) means the torch
-path runs. Gemma 3 and int8 models always run on torch.
+answer (a batch of many tokens, a cache off the CPU) means the torch path runs. Boundary states
+(the hidden state entering a layer that a peer model shares up to) are recorded as torch records
+them. Gemma 3 and int8 models always run on torch.
 
 The C code computes each token independently of the others in its batch (see its header), so a
 decode step and a verify pass agree exactly; a prompt chunk of 16+ tokens takes the AMX prompt
@@ -72,6 +73,8 @@ class Layer(ctypes.Structure):
         ("down", Matrix),
         ("keys", _pointer),
         ("values", _pointer),
+        ("boundary", _pointer),
+        ("boundary_valid", _pointer),
     ]
 
 
@@ -92,6 +95,8 @@ class Model(ctypes.Structure):
         ("lm_head", Matrix),
         ("embedding", Matrix),
         ("embedding_scale", ctypes.c_float),
+        ("final_boundary", _pointer),
+        ("final_boundary_valid", _pointer),
     ]
 
 
@@ -282,6 +287,7 @@ class NativeStack:
             embedding_scale=config.embedding_scale,
         )
         self._bound_cache: weakref.ref[PagedKVCache] | None = None
+        self._bound_boundaries: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, model: DecoderModel) -> NativeStack | None:
@@ -297,24 +303,25 @@ class NativeStack:
             return None
 
     def _bind(self, cache: PagedKVCache) -> None:
-        if self._bound_cache is not None and self._bound_cache() is cache:
+        boundaries = tuple(sorted(cache.boundary_states))  # (a peer may add one while bound)
+        bound = self._bound_cache is not None and self._bound_cache() is cache
+        if bound and self._bound_boundaries == boundaries:
             return
         for index in range(len(self._layers)):
             self._layers[index].keys = cache.keys[index].data_ptr()
             self._layers[index].values = cache.values[index].data_ptr()
+            self._layers[index].boundary, self._layers[index].boundary_valid = _boundary(cache, index)
+        self._model.final_boundary, self._model.final_boundary_valid = _boundary(cache, len(self._layers))
+        self._bound_boundaries = boundaries
         self._model.kv_bf16 = int(cache.dtype == torch.bfloat16)
         self._bound_cache = weakref.ref(cache)
 
     def forward(self, model: DecoderModel, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor | None:
         """Logits (R, vocab) of the batch's logit rows with its K/V written, or None when this
-        batch is for the torch path (`max_tokens` or more tokens, boundary states to record, a
-        cache off the CPU or neither bf16 nor float32)."""
+        batch is for the torch path (`max_tokens` or more tokens, a cache off the CPU or neither
+        bf16 nor float32)."""
         tokens = batch.token_ids.shape[0]
-        if (
-            tokens >= self.max_tokens
-            or cache.boundary_states
-            or cache.dtype not in (torch.bfloat16, torch.float32)
-        ):
+        if tokens >= self.max_tokens or cache.dtype not in (torch.bfloat16, torch.float32):
             return None
         if cache.keys[0].device.type != "cpu":
             return None
@@ -362,3 +369,11 @@ def _attention_rows(batch: ForwardBatch) -> tuple[np.ndarray, np.ndarray, np.nda
         visible[start:end, chunk.num_cached : chunk.context_len] = new_token_visibility(chunk)
         start = end
     return context, sequence, visible
+
+
+def _boundary(cache: PagedKVCache, layer: int) -> tuple[int | None, int | None]:
+    """The addresses of `layer`'s boundary states and their valid flags (None, None: not kept)."""
+    states = cache.boundary_states.get(layer)
+    if states is None:
+        return None, None
+    return states.data_ptr(), cache.boundary_valid[layer].data_ptr()
