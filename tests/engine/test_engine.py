@@ -228,6 +228,7 @@ def test_async_stream_and_chat_messages():
             reason = event.finish_reason
         return text, reason
 
+    fetch_or_skip(GEMMA)
     with Engine(EngineConfig(budget_bytes=4 * 2**30)) as engine:
         engine.add_model(SMOL, dtype=DTYPE, kv_tokens=KV_TOKENS)
         engine.add_model(GEMMA, dtype=DTYPE, kv_tokens=KV_TOKENS)
