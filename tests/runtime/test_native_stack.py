@@ -372,3 +372,45 @@ def test_boundary_states_are_recorded_as_the_torch_path_records_them(load_real_m
         assert torch.equal(valid, expected_valid) and int(valid.sum()) == len(prompt) + (not step_by_step)
         relative = (states.float() - expected.float()).abs().max() / expected.float().abs().max()
         assert relative <= tolerance, f"layer {layer}: states differ by {relative:.3g} of the largest"
+
+
+@needs_native
+def test_a_shared_band_continues_natively_as_on_the_torch_path(load_real_model):
+    # a consumer copies a provider's K/V below the band and runs the layers above from the stored
+    # boundary state (ModelKV.extend_from_band): natively too, agreeing with the torch path
+    model = load_real_model(SMOL, "int4")
+    module = _native(model)
+    prompt = tuple(model.tokenizer.encode(TEXT))[:48]
+    band, table = 15, tuple(range(4))
+    provider = PagedKVCache(module.config, 4, 16, model.kv_dtype)
+    provider.add_boundary(band)
+    _forward(module, provider, [SequenceChunk(prompt, 0, table)])
+    slots = torch.arange(len(prompt))
+
+    def continue_from_band() -> torch.Tensor:
+        consumer = PagedKVCache(module.config, 4, 16, model.kv_dtype)
+        batch = build_forward_batch([SequenceChunk(prompt, 0, table)], 16, module.config)
+        consumer.import_band(provider, slots, batch.slot_mapping, band)
+        logits = module(batch, consumer, start_layer=band, hidden=provider.boundary_states[band][slots])
+        keys = [consumer.keys[layer][: len(prompt)].float() for layer in (band, module.config.num_layers - 1)]
+        return logits, torch.stack(keys)
+
+    stack, native_forwards = module.native_stack, []
+    forward = stack.forward
+
+    def counted(*args):
+        result = forward(*args)
+        native_forwards.append(result is not None)
+        return result
+
+    stack.forward = counted
+    try:
+        fast, reference = _native_and_torch(module, continue_from_band)
+    finally:
+        del stack.forward
+    assert native_forwards == [True], "the band's continuation left the native stack"
+    (logits, keys), (expected_logits, expected_keys) = fast, reference
+    assert logits.argmax(-1).tolist() == expected_logits.argmax(-1).tolist()
+    for got, expected in ((logits, expected_logits), (keys, expected_keys)):
+        relative = (got - expected).abs().max() / expected.abs().max()
+        assert relative <= 0.05, f"the continuation differs by {relative:.3g} of its largest value"

@@ -96,8 +96,8 @@ class DecoderModel(nn.Module):
         `ModelKV.extend_from_band`). The input of every layer the cache records boundary states
         for (`PagedKVCache.add_boundary`) is stored on the way, the final one included.
         """
-        if self.native_stack is not None and hidden is None and not start_layer:
-            logits = self.native_stack.forward(self, batch, kv_cache)
+        if self.native_stack is not None and (hidden is None) == (start_layer == 0):
+            logits = self.native_stack.forward(self, batch, kv_cache, start_layer, hidden)
             if logits is not None:
                 return logits
         if hidden is None:

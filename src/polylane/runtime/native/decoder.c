@@ -109,6 +109,8 @@ typedef struct {
     int64_t num_logits;      /* R */
     const int64_t *logit_rows; /* (R,) */
     int threads;
+    int64_t start_layer;       /* the first layer run; above 0, `input` is its input */
+    const float *input;        /* (T, E) or NULL: the tokens' embeddings */
 } Step;
 
 /* A prompt run: tokens first .. first + count - 1 of the step, all of sequence `sequence`. With
@@ -1241,8 +1243,9 @@ int polylane_forward(const Model *model, const Step *step, float *logits) {
         status = -1;
         goto done;
     }
-    EACH_ROW(i, t, embed(model, step->token_ids[i], hidden + i * e));
-    for (int64_t l = 0; l < model->num_layers; l++) {
+    if (step->input) memcpy(hidden, step->input, sizeof(float) * (size_t)(t * e));
+    else EACH_ROW(i, t, embed(model, step->token_ids[i], hidden + i * e));
+    for (int64_t l = step->start_layer; l < model->num_layers; l++) {
         const Layer *layer = &model->layers[l];
         if (layer->boundary) record_boundary(model, step, hidden, layer->boundary, layer->boundary_valid);
         EACH_ROW(i, t, rms_norm(hidden + i * e, layer->input_norm, e, model->eps, normed + i * e));

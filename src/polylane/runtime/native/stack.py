@@ -114,6 +114,8 @@ class Step(ctypes.Structure):
         ("num_logits", ctypes.c_int64),
         ("logit_rows", _pointer),
         ("threads", ctypes.c_int),
+        ("start_layer", ctypes.c_int64),
+        ("input", _pointer),
     ]
 
 
@@ -316,16 +318,26 @@ class NativeStack:
         self._model.kv_bf16 = int(cache.dtype == torch.bfloat16)
         self._bound_cache = weakref.ref(cache)
 
-    def forward(self, model: DecoderModel, batch: ForwardBatch, cache: PagedKVCache) -> torch.Tensor | None:
+    def forward(
+        self,
+        model: DecoderModel,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+        start_layer: int = 0,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """Logits (R, vocab) of the batch's logit rows with its K/V written, or None when this
         batch is for the torch path (`max_tokens` or more tokens, a cache off the CPU or neither
-        bf16 nor float32)."""
+        bf16 nor float32). With `start_layer` > 0, `hidden` (T, E) is that layer's input and the
+        layers below are not run (a shared band's continuation, `DecoderModel.forward`)."""
         tokens = batch.token_ids.shape[0]
         if tokens >= self.max_tokens or cache.dtype not in (torch.bfloat16, torch.float32):
             return None
         if cache.keys[0].device.type != "cpu":
             return None
         self._bind(cache)
+        if hidden is not None:
+            hidden = hidden.to(torch.float32).contiguous()  # (boundary states may be kept in bf16)
         # (a position is below its sequence's context length: no tensor op to find the largest)
         rotations = model._rotary[GLOBAL].table(max(c.context_len for c in batch.chunks))
         context, sequence, visible = _attention_rows(batch)
@@ -343,6 +355,8 @@ class NativeStack:
             num_logits=batch.logit_rows.shape[0],
             logit_rows=batch.logit_rows.data_ptr(),
             threads=torch.get_num_threads(),
+            start_layer=start_layer,
+            input=None if hidden is None else hidden.data_ptr(),
         )
         if self._lib.polylane_forward(ctypes.byref(self._model), ctypes.byref(step), logits.data_ptr()) != 0:
             raise MemoryError("the native forward could not allocate its scratch memory")
