@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=1, help="prompts of --prefill tokens in one forward")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model(args.model, args.dtype, quiet=True)
+    model = load_model(args.model, args.dtype, quiet=True, device="cpu")  # the CPU stacks compared
     module, lib = model.module, native.library()
     stack = module.native_stack
     if stack is None or lib is None:

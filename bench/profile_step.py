@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--pieces", action="store_true", help="also time one layer's parts alone")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model(args.model, args.dtype, quiet=True)
+    model = load_model(args.model, args.dtype, quiet=True, device="cpu")  # the CPU stacks compared
     block_size, timed = 16, 40
     per_sequence = -(-(args.context + timed + args.steps + 16) // block_size)
     cache = PagedKVCache(model.config, per_sequence * args.batch, block_size, model.kv_dtype)

@@ -228,6 +228,6 @@ def digest_of(name_or_path: str, dtype: str = "fp32", *, quiet: bool = True) -> 
     source = catalog.resolve(name_or_path, quiet=quiet)
     digest = cached_digest(source, dtype)
     if digest is None:
-        digest = load_model(name_or_path, dtype, quiet=quiet).digest
+        digest = load_model(name_or_path, dtype, quiet=quiet, device="cpu").digest  # (hashed on the host)
         assert digest is not None
     return digest

@@ -343,8 +343,8 @@ def _save_tensors(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
 def _verify(source: str, out: Path, first_changed: int, quiet: bool) -> SharedBand:
     from polylane.runtime.loaded_model import load_model
 
-    base = load_model(source, "fp32", quiet=quiet)
-    sibling = load_model(str(out), "fp32", quiet=quiet)
+    base = load_model(source, "fp32", quiet=quiet, device="cpu")  # only their digests are needed
+    sibling = load_model(str(out), "fp32", quiet=quiet, device="cpu")
     assert base.digest is not None and sibling.digest is not None
     band = shared_band(base.digest, sibling.digest)
     if band.layers != first_changed:
