@@ -199,6 +199,24 @@ def _native_and_torch(module, run):
         module.native_stack = stack
 
 
+def _counting_native_forwards(module, run):
+    """`_native_and_torch(module, run)`, and whether each call of the native stack ran natively
+    (False: it handed the forward to the torch path)."""
+    stack, native_forwards = module.native_stack, []
+    forward = stack.forward
+
+    def counted(*args):
+        logits = forward(*args)
+        native_forwards.append(logits is not None)
+        return logits
+
+    stack.forward = counted
+    try:
+        return native_forwards, _native_and_torch(module, run)
+    finally:
+        del stack.forward
+
+
 def _forward(module, cache, chunks):
     batch = build_forward_batch(chunks, cache.block_size, module.config)
     return module(batch, cache)
@@ -353,19 +371,7 @@ def test_boundary_states_are_recorded_as_the_torch_path_records_them(load_real_m
         kept = {layer: (cache.boundary_states[layer], cache.boundary_valid[layer]) for layer in (band, last)}
         return {layer: (states.clone(), valid.clone()) for layer, (states, valid) in kept.items()}
 
-    stack, native_forwards = module.native_stack, []
-    forward = stack.forward
-
-    def counted(*args):
-        logits = forward(*args)
-        native_forwards.append(logits is not None)
-        return logits
-
-    stack.forward = counted
-    try:
-        fast, reference = _native_and_torch(module, run)
-    finally:
-        del stack.forward
+    native_forwards, (fast, reference) = _counting_native_forwards(module, run)
     assert native_forwards and all(native_forwards), "a forward keeping boundary states left the native stack"
     for layer in (band, last):
         (states, valid), (expected, expected_valid) = fast[layer], reference[layer]
@@ -395,19 +401,7 @@ def test_a_shared_band_continues_natively_as_on_the_torch_path(load_real_model):
         keys = [consumer.keys[layer][: len(prompt)].float() for layer in (band, module.config.num_layers - 1)]
         return logits, torch.stack(keys)
 
-    stack, native_forwards = module.native_stack, []
-    forward = stack.forward
-
-    def counted(*args):
-        result = forward(*args)
-        native_forwards.append(result is not None)
-        return result
-
-    stack.forward = counted
-    try:
-        fast, reference = _native_and_torch(module, continue_from_band)
-    finally:
-        del stack.forward
+    native_forwards, (fast, reference) = _counting_native_forwards(module, continue_from_band)
     assert native_forwards == [True], "the band's continuation left the native stack"
     (logits, keys), (expected_logits, expected_keys) = fast, reference
     assert logits.argmax(-1).tolist() == expected_logits.argmax(-1).tolist()

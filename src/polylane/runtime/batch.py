@@ -63,11 +63,16 @@ class ForwardBatch:
     device: torch.device | str = "cpu"
 
     @functools.cached_property
+    def longest_context(self) -> int:
+        """C: every position of the batch is below it (known on the host, unlike `positions.max()`)."""
+        return max(c.context_len for c in self.chunks)
+
+    @functools.cached_property
     def layouts(self) -> dict[str, AttentionLayout]:
         """The padded attention layout of each layer type (global, sliding), built on first use."""
         layer_types = (GLOBAL, SLIDING) if self.config.has_sliding_layers else (GLOBAL,)
         positions = self.host_positions.tolist()
-        longest_context = max(c.context_len for c in self.chunks)
+        longest_context = self.longest_context
         source = functools.cache(lambda: _context_source(self.context_slots, longest_context, self.device))
         return {
             kind: _layout(self.chunks, positions, kind == SLIDING, self.config, source, self.device)

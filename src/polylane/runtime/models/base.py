@@ -96,17 +96,17 @@ class DecoderModel(nn.Module):
         `ModelKV.extend_from_band`). The input of every layer the cache records boundary states
         for (`PagedKVCache.add_boundary`) is stored on the way, the final one included.
         """
-        if self.native_stack is not None and (hidden is None) == (start_layer == 0):
+        if start_layer and hidden is None:
+            raise ValueError("starting above layer 0 needs that layer's input hidden state")
+        if self.native_stack is not None:
             logits = self.native_stack.forward(self, batch, kv_cache, start_layer, hidden)
             if logits is not None:
                 return logits
         if hidden is None:
-            if start_layer:
-                raise ValueError("starting above layer 0 needs that layer's input hidden state")
             hidden = self.embed(batch.token_ids)  # (T, E)
             if self.config.embedding_scale != 1.0:
                 hidden = hidden * torch.tensor(self.config.embedding_scale, dtype=hidden.dtype)
-        bound = max(c.context_len for c in batch.chunks)  # every position is below its context length
+        bound = batch.longest_context
         rotary = {kind: table.lookup(batch.positions, bound) for kind, table in self._rotary.items()}
         context = ForwardContext(batch, kv_cache, rotary)
         for index in range(start_layer, len(self.layers)):

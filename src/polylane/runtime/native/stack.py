@@ -338,8 +338,7 @@ class NativeStack:
         self._bind(cache)
         if hidden is not None:
             hidden = hidden.to(torch.float32).contiguous()  # (boundary states may be kept in bf16)
-        # (a position is below its sequence's context length: no tensor op to find the largest)
-        rotations = model._rotary[GLOBAL].table(max(c.context_len for c in batch.chunks))
+        rotations = model._rotary[GLOBAL].table(batch.longest_context)
         context, sequence, visible = _attention_rows(batch)
         logits = torch.empty(batch.logit_rows.shape[0], self._model.vocab, dtype=torch.float32)
         step = Step(
