@@ -11,7 +11,9 @@
 - On real models the native stack agrees with the torch path: int4 within the tolerance of two
   roundings of the same 4-bit weights (the torch path rounds every projection's output to bf16),
   bf16 within bf16 tolerance (the native stack keeps float32 activations), float32 to 1e-3.
-- It runs only where it can: Gemma 3 and int8 models keep the torch path; no compiler or
+- Gemma 3 runs natively too (QK norms, sandwich norms, GELU, sliding layers with their own RoPE
+  base): its sliding layers see exactly their window, past it as before it.
+- It runs only where it can: int8 models keep the torch path; no compiler or
   POLYLANE_NATIVE=0 means no native stack, with a log line saying why.
 """
 
@@ -262,9 +264,9 @@ def test_native_stack_agrees_with_the_torch_path(load_real_model, name, dtype):
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", ["int4", "bf16"])
-def test_verify_pass_and_batched_steps_give_decode_logits_exactly(load_real_model, dtype):
-    model = load_real_model(SMOL, dtype)
+@pytest.mark.parametrize(("name", "dtype"), [(SMOL, "int4"), (SMOL, "bf16"), (GEMMA, "int4")])
+def test_verify_pass_and_batched_steps_give_decode_logits_exactly(load_real_model, name, dtype):
+    model = load_real_model(name, dtype)
     module = _native(model)
     prompt = tuple(model.tokenizer.encode("Count slowly: one, two, three,"))
     tables = [tuple(range(8 * s, 8 * s + 8)) for s in range(3)]
@@ -320,10 +322,8 @@ def test_a_prompt_run_and_a_decode_token_do_not_change_each_other(load_real_mode
     assert torch.equal(together[1], decode_alone[0]), f"{kernel}: a decode token changed beside a prompt run"
 
 
-@pytest.mark.parametrize(("name", "dtype"), [(GEMMA, "int4"), (SMOL, "int8")])
-def test_models_the_stack_cannot_run_keep_the_torch_path(load_real_model, name, dtype):
-    model = load_real_model(name, dtype)
-    assert model.module.native_stack is None
+def test_models_the_stack_cannot_run_keep_the_torch_path(load_real_model):
+    assert load_real_model(SMOL, "int8").module.native_stack is None
 
 
 def test_no_library_means_no_native_stack(load_real_model, monkeypatch):
@@ -408,3 +408,37 @@ def test_a_shared_band_continues_natively_as_on_the_torch_path(load_real_model):
     for got, expected in ((logits, expected_logits), (keys, expected_keys)):
         relative = (got - expected).abs().max() / expected.abs().max()
         assert relative <= 0.05, f"the continuation differs by {relative:.3g} of its largest value"
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["int4", "fp32"])
+def test_gemma_sliding_layers_see_their_window_as_on_the_torch_path(load_real_model, dtype):
+    # a prompt past the 512-token window (int4: one native forward; float32: torch's prefill), then
+    # native decode steps whose sliding layers no longer see the prompt's first keys
+    model = load_real_model(GEMMA, dtype)
+    module = _native(model)
+    window = module.config.sliding_window
+    ids = model.tokenizer.encode(TEXT * 12)[: window + 24]
+    prompt, blocks = ids[: window + 16], -(-len(ids) // 16)
+    table = tuple(range(blocks))
+
+    def all_logits() -> torch.Tensor:
+        cache = PagedKVCache(module.config, blocks, 16, model.kv_dtype)
+        batch = build_forward_batch([SequenceChunk(tuple(prompt), 0, table)], 16, module.config)
+        batch.logit_rows = torch.arange(len(prompt))
+        logits = [module(batch, cache)]
+        for position in range(len(prompt), len(ids)):
+            logits.append(_forward(module, cache, [SequenceChunk((ids[position],), position, table)]))
+        return torch.cat(logits)
+
+    native_forwards, (fast, reference) = _counting_native_forwards(module, all_logits)
+    assert native_forwards == [dtype == "int4"] + [True] * (len(ids) - len(prompt))
+    min_top1, max_mean_abs = AGREEMENT[dtype]
+    # all positions, and those whose sliding layers no longer see position 0 (where a missing
+    # window shows: there every logit moves, where before the window none does)
+    for rows, label in ((slice(None), "all"), (slice(window, None), "past the window")):
+        top1 = (fast[rows].argmax(-1) == reference[rows].argmax(-1)).float().mean().item()
+        mean_abs = (fast[rows] - reference[rows]).abs().mean().item()
+        message = f"Gemma {dtype}, {label} ({len(ids)} positions): top-1 {top1:.3f}, mean-abs {mean_abs:.3g}"
+        print(message)
+        assert top1 >= min_top1 and mean_abs <= max_mean_abs, message

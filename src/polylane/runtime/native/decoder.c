@@ -1,7 +1,8 @@
-/* The whole layer stack of a Llama/Qwen2 decoder, for a few tokens at a time.
+/* The whole layer stack of a Llama/Qwen2/Gemma 3 decoder, for a few tokens at a time.
  *
- * What this file owns: one call that runs every layer (RMSNorm, fused QKV, RoPE, paged-KV write,
- * grouped-query attention over the paged KV cache, output projection, gated SiLU MLP, residuals),
+ * What this file owns: one call that runs every layer (RMSNorm, fused QKV, per-head QK norms,
+ * RoPE, paged-KV write, grouped-query attention over the paged KV cache, global or sliding-window,
+ * output projection, gated SiLU or GELU MLP, Gemma's norms after attention and MLP, residuals),
  * the final norm and the output projection for a flat batch of T tokens, in place of the ~45
  * eager torch ops per layer whose fixed costs dominate a decode step (docs/profile.md). Python
  * builds the model description once (runtime/native/stack.py) and the per-forward index arrays;
@@ -76,11 +77,14 @@ typedef struct {
 } Matrix;
 
 typedef struct {
-    const float *input_norm, *post_norm; /* (E,) */
+    const float *input_norm, *post_norm; /* (E,) before attention, before the MLP */
     Matrix qkv, o, gate_up, down;
     void *keys, *values; /* (slots, Hkv * D), bf16 or float32 (Model.kv_bf16) */
     void *boundary;      /* (slots, E) each slot's input to this layer, as the KV; NULL: not kept */
     uint8_t *boundary_valid; /* (slots,) that input belongs to the slot's K/V */
+    const float *q_norm, *k_norm;               /* (D,) per-head norms before RoPE, or NULL */
+    const float *attention_norm, *mlp_norm;     /* (E,) on the attention's and MLP's outputs, or NULL */
+    int64_t sliding; /* attends through Step.local_visible with Step.local_rotations */
 } Layer;
 
 typedef struct {
@@ -94,7 +98,11 @@ typedef struct {
     float embedding_scale; /* the embedding rows are multiplied by it */
     void *final_boundary;  /* (slots, E) the last layer's output per slot, as `boundary`; NULL: not kept */
     uint8_t *final_boundary_valid;
+    int64_t activation;    /* the MLP's gate: SILU or GELU_TANH */
+    int64_t sliding;       /* some layer attends within a sliding window */
 } Model;
+
+enum { SILU = 0, GELU_TANH = 1 };
 
 typedef struct {
     int64_t tokens;            /* T */
@@ -111,6 +119,8 @@ typedef struct {
     int threads;
     int64_t start_layer;       /* the first layer run; above 0, `input` is its input */
     const float *input;        /* (T, E) or NULL: the tokens' embeddings */
+    const float *local_rotations; /* as `rotations`, for sliding layers (their own RoPE base) */
+    const uint8_t *local_visible; /* as `visible`, for sliding layers (keys within the window) */
 } Step;
 
 /* A prompt run: tokens first .. first + count - 1 of the step, all of sequence `sequence`. With
@@ -780,9 +790,15 @@ static inline __m512 sum16(const __m512 v[16]) {
                          _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* One token's QKV row: RoPE on its query and key heads, then its K and V into cache slot `slot`. */
+/* One token's QKV row: its query and key heads normed (where the layer norms them) and rotated,
+ * then its K and V into cache slot `slot`. */
 static void rotate_and_store(const Model *model, const Layer *layer, float *row, const float *rotation, int64_t slot) {
     const int64_t dim = model->head_dim, q_width = model->heads * dim, kv_width = model->kv_heads * dim;
+    if (layer->q_norm) {
+        for (int64_t h = 0; h < model->heads; h++) rms_norm(row + h * dim, layer->q_norm, dim, model->eps, row + h * dim);
+        for (int64_t h = 0; h < model->kv_heads; h++)
+            rms_norm(row + q_width + h * dim, layer->k_norm, dim, model->eps, row + q_width + h * dim);
+    }
     rotate(row, model->heads + model->kv_heads, dim, rotation);
     if (model->kv_bf16) {
         store_bf16(row + q_width, kv_width, (uint16_t *)layer->keys + slot * kv_width);
@@ -799,13 +815,15 @@ static inline __attribute__((always_inline)) __m512 load_kv(const void *row, int
 }
 
 /* o[h] = inverse[h] · Σ_c weights[h][c] · V[c] for `count` (<= 4) query heads of one KV group at
- * once, each value row (`vectors` × 16 dims at `values` + slot · `row_bytes`) read once; a key
- * all the heads weigh 0 (unseen) is skipped. Each head's sum runs over c in order, as alone. */
+ * once, each value row (`vectors` (<= 8) × 16 dims at `values` + slot · `row_bytes`) read once; a
+ * key all the heads weigh 0 (unseen) is skipped. Each head's sum runs over c in order, as alone;
+ * head h's output starts at o + h · `head_stride`. */
 static inline __attribute__((always_inline)) void value_sums(const float *weights, int64_t context,
                                                              const int64_t *slots, const char *values,
                                                              int64_t row_bytes, const int64_t count,
                                                              const int64_t vectors, const int bf16,
-                                                             const float *inverse, float *o) {
+                                                             const float *inverse, float *o,
+                                                             const int64_t head_stride) {
     const int64_t dim = 16 * vectors;
     __m512 acc[4][8];
     for (int64_t h = 0; h < count; h++)
@@ -825,17 +843,18 @@ static inline __attribute__((always_inline)) void value_sums(const float *weight
     }
     for (int64_t h = 0; h < count; h++)
         for (int64_t v = 0; v < vectors; v++)
-            _mm512_storeu_ps(o + h * dim + 16 * v, _mm512_mul_ps(acc[h][v], _mm512_set1_ps(inverse[h])));
+            _mm512_storeu_ps(o + h * head_stride + 16 * v, _mm512_mul_ps(acc[h][v], _mm512_set1_ps(inverse[h])));
 }
 
-/* out (T, H * D): each token's query heads over the keys it may see, one KV head's group at a
- * time (grouped-query attention without repeating K/V), for the `count` tokens listed in `todo`
- * (NULL: tokens 0 .. count - 1). Head sizes are multiples of 16 (checked in Python); `scratch`
- * holds a group's scores per thread (threads * group * C floats). */
+/* out (T, H * D): each token's query heads over the keys it may see (`visible_rows`, (T, C)), one KV
+ * head's group at a time (grouped-query attention without repeating K/V), for the `count` tokens
+ * listed in `todo` (NULL: tokens 0 .. count - 1). Head sizes are multiples of 16 up to 256
+ * (checked in Python); `scratch` holds a group's scores per thread (threads * group * C floats). */
 static inline __attribute__((always_inline)) void attention_impl(const Model *model, const Layer *layer,
-                                                                 const Step *step, const float *qkv, float *out,
-                                                                 float *scratch, const int64_t *todo,
-                                                                 int64_t count, const int bf16) {
+                                                                 const Step *step, const uint8_t *visible_rows,
+                                                                 const float *qkv, float *out, float *scratch,
+                                                                 const int64_t *todo, int64_t count,
+                                                                 const int bf16) {
     const int64_t element = bf16 ? 2 : 4;
     const char *keys = layer->keys, *values = layer->values;
     const int64_t heads = model->heads, kv_heads = model->kv_heads, dim = model->head_dim;
@@ -850,7 +869,7 @@ static inline __attribute__((always_inline)) void attention_impl(const Model *mo
                 const int64_t t = todo != NULL ? todo[i] : i;
                 const float *q = qkv + t * width + kvh * group * dim;
                 const int64_t *slots = step->context + step->sequence[t] * context;
-                const uint8_t *visible = step->visible + t * context;
+                const uint8_t *visible = visible_rows + t * context;
                 /* scores, 16 keys at a time: one product vector per key, summed across lanes
                  * for all 16 at once (sum16); keys a token may not see score -inf */
                 for (int64_t c0 = 0; c0 < context; c0 += 16) {
@@ -910,12 +929,15 @@ static inline __attribute__((always_inline)) void attention_impl(const Model *mo
                     const int64_t count = group - g < 4 ? group - g : 4;
                     const float *weights = scores + g * context;
                     if (vectors == 4 && count == 3)
-                        value_sums(weights, context, slots, head_values, kv_width * element, 3, 4, bf16, inverse + g, o + g * dim);
+                        value_sums(weights, context, slots, head_values, kv_width * element, 3, 4, bf16, inverse + g,
+                                   o + g * dim, dim);
                     else if (vectors == 4)
-                        value_sums(weights, context, slots, head_values, kv_width * element, count, 4, bf16, inverse + g, o + g * dim);
-                    else
-                        value_sums(weights, context, slots, head_values, kv_width * element, count, vectors, bf16, inverse + g,
-                                   o + g * dim);
+                        value_sums(weights, context, slots, head_values, kv_width * element, count, 4, bf16, inverse + g,
+                                   o + g * dim, dim);
+                    else /* 128 dims (8 vectors of accumulators per head) at a time */
+                        for (int64_t v0 = 0; v0 < vectors; v0 += 8)
+                            value_sums(weights, context, slots, head_values + 16 * v0 * element, kv_width * element, count,
+                                       vectors - v0 < 8 ? vectors - v0 : 8, bf16, inverse + g, o + g * dim + 16 * v0, dim);
                 }
             }
         }
@@ -1120,7 +1142,7 @@ static int find_runs(const Model *model, const Step *step, Runs *runs) {
     const int64_t tokens = step->tokens, context = step->context_len, dim = model->head_dim;
     const int amx = amx_on();
     runs->padded = (context + 31) / 32 * 32;
-    runs->tiles = amx && model->kv_bf16 && (dim == 64 || dim == 128);
+    runs->tiles = amx && model->kv_bf16 && (dim == 64 || dim == 128) && !model->sliding;
     runs->runs = malloc(sizeof(Run) * (size_t)(tokens / RUN_ROWS + 1));
     runs->others = malloc(sizeof(int64_t) * (size_t)(tokens + 1));
     uint8_t *logit = calloc((size_t)tokens + 1, 1);
@@ -1174,17 +1196,28 @@ static void attention(const Model *model, const Layer *layer, const Step *step, 
         count = runs->left, listed = runs->others;
 #endif
     if (count == 0) return;
-    if (model->kv_bf16) attention_impl(model, layer, step, qkv, out, scratch, listed, count, 1);
-    else attention_impl(model, layer, step, qkv, out, scratch, listed, count, 0);
+    const uint8_t *visible = layer->sliding ? step->local_visible : step->visible;
+    if (model->kv_bf16) attention_impl(model, layer, step, visible, qkv, out, scratch, listed, count, 1);
+    else attention_impl(model, layer, step, visible, qkv, out, scratch, listed, count, 0);
 }
 
-/* out[i] = silu(gate[i]) * up[i] for one token's MLP (`size` a multiple of 16). */
-static void gated_silu(const float *gate, const float *up, int64_t size, float *out) {
+/* out[i] = act(gate[i]) * up[i] for one token's MLP (`size` a multiple of 16), act SiLU or GELU
+ * with the tanh approximation, 0.5 g (1 + tanh(√(2/π) (g + 0.044715 g³))), as torch's "tanh" GELU. */
+static void gated_activation(int64_t activation, const float *gate, const float *up, int64_t size, float *out) {
     const __m512 one = _mm512_set1_ps(1.0f);
     for (int64_t i = 0; i < size; i += 16) {
         const __m512 g = _mm512_loadu_ps(gate + i);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(up + i)));
+        __m512 a;
+        if (activation == GELU_TANH) { /* tanh(u) = 1 - 2 / (e^2u + 1) */
+            const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                           _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g), _mm512_mul_ps(g, g), g));
+            const __m512 e = exp16(_mm512_add_ps(u, u));
+            const __m512 tanh = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
+            a = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, tanh));
+        } else {
+            a = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        }
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(a, _mm512_loadu_ps(up + i)));
     }
 }
 
@@ -1215,6 +1248,14 @@ static void record_boundary(const Model *model, const Step *step, const float *h
         else memcpy((float *)states + slot * e, hidden + i * e, sizeof(float) * (size_t)e);
         valid[slot] = 1;
     }
+}
+
+/* hidden += residual for `t` tokens, the residual normed first where `norm` is given (Gemma's
+ * norms on the attention's and the MLP's outputs; in place, `residual` is scratch). */
+static void add_residual(const Model *model, const float *norm, float *residual, int64_t t, int threads, float *hidden) {
+    const int64_t e = model->hidden;
+    if (norm) EACH_ROW(i, t, rms_norm(residual + i * e, norm, e, model->eps, residual + i * e));
+    EACH_ROW(i, t, for (int64_t j = i * e; j < (i + 1) * e; j++) hidden[j] += residual[j]);
 }
 
 /* Embed the step's tokens, run every layer over them, then the final norm and output projection of
@@ -1250,16 +1291,18 @@ int polylane_forward(const Model *model, const Step *step, float *logits) {
         if (layer->boundary) record_boundary(model, step, hidden, layer->boundary, layer->boundary_valid);
         EACH_ROW(i, t, rms_norm(hidden + i * e, layer->input_norm, e, model->eps, normed + i * e));
         matmul(&layer->qkv, normed, t, wide, &scratch, threads, &runs);
-        EACH_ROW(i, t, rotate_and_store(model, layer, wide + i * qkv_width, step->rotations + step->positions[i] * dim,
+        const float *rotations = layer->sliding ? step->local_rotations : step->rotations;
+        EACH_ROW(i, t, rotate_and_store(model, layer, wide + i * qkv_width, rotations + step->positions[i] * dim,
                                         step->slots[i]));
         attention(model, layer, step, &runs, wide, narrow, scores);
         matmul(&layer->o, narrow, t, residual, &scratch, threads, &runs);
-        EACH_ROW(i, t, for (int64_t j = i * e; j < (i + 1) * e; j++) hidden[j] += residual[j]);
+        add_residual(model, layer->attention_norm, residual, t, threads, hidden);
         EACH_ROW(i, t, rms_norm(hidden + i * e, layer->post_norm, e, model->eps, normed + i * e));
         matmul(&layer->gate_up, normed, t, wide, &scratch, threads, &runs);
-        EACH_ROW(i, t, gated_silu(wide + i * 2 * inter, wide + i * 2 * inter + inter, inter, narrow + i * inter));
+        EACH_ROW(i, t, gated_activation(model->activation, wide + i * 2 * inter, wide + i * 2 * inter + inter, inter,
+                                        narrow + i * inter));
         matmul(&layer->down, narrow, t, residual, &scratch, threads, &runs);
-        EACH_ROW(i, t, for (int64_t j = i * e; j < (i + 1) * e; j++) hidden[j] += residual[j]);
+        add_residual(model, layer->mlp_norm, residual, t, threads, hidden);
     }
     if (model->final_boundary) record_boundary(model, step, hidden, model->final_boundary, model->final_boundary_valid);
     for (int64_t r = 0; r < step->num_logits; r++)

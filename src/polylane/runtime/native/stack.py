@@ -1,13 +1,13 @@
-"""A Llama/Qwen2 model's whole layer stack in one native call (decoder.c), and when it runs.
+"""A Llama/Qwen2/Gemma 3 model's whole layer stack in one native call (decoder.c), and when it runs.
 
-What this module owns: deciding whether a loaded model can run natively (Llama-style blocks,
-projections int4, bf16 or float32 with output rows in blocks of 64, a C compiler and a CPU with
-AVX512-BF16 and VBMI), describing its weights to the C code once (`NativeStack.build`, called by
-`load_model`), and, per forward, the index arrays the C code reads (which slots each token writes
-and reads, which keys it may see). `DecoderModel.forward` asks `NativeStack.forward` first; a None
-answer (a batch of many tokens, a cache off the CPU) means the torch path runs. Boundary states
-(the hidden state entering a layer that a peer model shares up to) are recorded as torch records
-them. Gemma 3 and int8 models always run on torch.
+What this module owns: deciding whether a loaded model can run natively (Llama-style or Gemma 3
+blocks, projections int4, bf16 or float32 with output rows in blocks of 64, a C compiler and a CPU
+with AVX512-BF16 and VBMI), describing its weights to the C code once (`NativeStack.build`, called
+by `load_model`), and, per forward, the index arrays the C code reads (which slots each token
+writes and reads, which keys it may see, in sliding layers too). `DecoderModel.forward` asks
+`NativeStack.forward` first; a None answer (a batch of many tokens, a cache off the CPU) means the
+torch path runs. Boundary states (the hidden state entering a layer that a peer model shares up to)
+are recorded as torch records them. int8 models always run on torch.
 
 The C code computes each token independently of the others in its batch (see its header), so a
 decode step and a verify pass agree exactly; a prompt chunk of 16+ tokens takes the AMX prompt
@@ -28,7 +28,7 @@ from torch import nn
 from polylane.runtime.batch import ForwardBatch, new_token_visibility
 from polylane.runtime.kv_cache import PagedKVCache
 from polylane.runtime.layers import Projection
-from polylane.runtime.model_config import GLOBAL, ModelConfig
+from polylane.runtime.model_config import GLOBAL, SLIDING, ModelConfig
 from polylane.runtime.native.build import load_library
 
 if TYPE_CHECKING:
@@ -46,8 +46,9 @@ MAX_TOKENS = {INT4: 4096, BF16: 96, FP32: 8, FP32_INPUT_MAJOR: 8}
 # Without AMX (AVX512-BF16 dot products, no tile attention) int4 prompts gain nothing from ~128
 # tokens on: 585 vs 587 tokens/s at 127, 505 vs 881 at 511 (the same command's avx512-bf16 column).
 MAX_TOKENS_WITHOUT_AMX = {**MAX_TOKENS, INT4: 128}
-# The C attention holds a head's output in registers, 16 floats each.
-MAX_HEAD_DIM = 128
+# The C attention sums a head's output in registers, 16 floats each, 128 dims at a time.
+MAX_HEAD_DIM = 256
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 _pointer = ctypes.c_void_p
 
@@ -75,6 +76,11 @@ class Layer(ctypes.Structure):
         ("values", _pointer),
         ("boundary", _pointer),
         ("boundary_valid", _pointer),
+        ("q_norm", _pointer),
+        ("k_norm", _pointer),
+        ("attention_norm", _pointer),
+        ("mlp_norm", _pointer),
+        ("sliding", ctypes.c_int64),
     ]
 
 
@@ -97,6 +103,8 @@ class Model(ctypes.Structure):
         ("embedding_scale", ctypes.c_float),
         ("final_boundary", _pointer),
         ("final_boundary_valid", _pointer),
+        ("activation", ctypes.c_int64),
+        ("sliding", ctypes.c_int64),
     ]
 
 
@@ -116,6 +124,8 @@ class Step(ctypes.Structure):
         ("threads", ctypes.c_int),
         ("start_layer", ctypes.c_int64),
         ("input", _pointer),
+        ("local_rotations", _pointer),
+        ("local_visible", _pointer),
     ]
 
 
@@ -149,14 +159,12 @@ def kernel_name() -> str | None:
 
 
 def _config_reason(config: ModelConfig) -> str | None:
-    if config.architecture not in ("llama", "qwen2"):
+    if config.architecture not in ("llama", "qwen2", "gemma3"):
         return f"architecture {config.architecture}"
-    if config.qk_norm or config.sandwich_norms or config.has_sliding_layers or config.final_logit_softcap:
-        return "Gemma-style norms, sliding layers or soft-capping"
-    if config.activation != "silu":
+    if config.activation not in ACTIVATIONS:
         return f"activation {config.activation}"
     if config.head_dim % 16 or config.head_dim > MAX_HEAD_DIM or config.intermediate_size % 16:
-        return "head or MLP sizes that are not multiples of 16 (or heads over 128)"
+        return f"head or MLP sizes that are not multiples of 16 (or heads over {MAX_HEAD_DIM})"
     return None
 
 
@@ -247,13 +255,17 @@ class NativeStack:
         layers = (Layer * config.num_layers)()
         kinds = set()
         for index, block in enumerate(model.layers):
-            norms = [
-                block.input_layernorm.weight.detach().float().contiguous(),
-                block.post_attention_layernorm.weight.detach().float().contiguous(),
-            ]
-            self._keep.extend(norms)
-            layers[index].input_norm = norms[0].data_ptr()
-            layers[index].post_norm = norms[1].data_ptr()
+            layers[index].input_norm = self._norm(block.input_layernorm)
+            if config.sandwich_norms:  # Gemma: norms on the attention's and MLP's outputs too
+                layers[index].post_norm = self._norm(block.pre_feedforward_layernorm)
+                layers[index].attention_norm = self._norm(block.post_attention_layernorm)
+                layers[index].mlp_norm = self._norm(block.post_feedforward_layernorm)
+            else:
+                layers[index].post_norm = self._norm(block.post_attention_layernorm)
+            if config.qk_norm:
+                layers[index].q_norm = self._norm(block.self_attn.q_norm)
+                layers[index].k_norm = self._norm(block.self_attn.k_norm)
+            layers[index].sliding = int(config.layer_types[index] == SLIDING)
             layers[index].qkv = describe(block.self_attn.qkv_proj, self._keep)
             layers[index].o = describe(block.self_attn.o_proj, self._keep)
             layers[index].gate_up = describe(block.mlp.gate_up_proj, self._keep)
@@ -264,8 +276,6 @@ class NativeStack:
                 layers[index].gate_up.kind,
                 layers[index].down.kind,
             }
-        final_norm = model.norm.weight.detach().float().contiguous()
-        self._keep.append(final_norm)
         lm_head = _output_matrix(model, self._keep)
         kinds.add(lm_head.kind)
         limits = MAX_TOKENS if kernel_name() == "amx" else MAX_TOKENS_WITHOUT_AMX
@@ -283,13 +293,21 @@ class NativeStack:
             scale=config.attention_scale or config.head_dim**-0.5,
             kv_bf16=0,
             layers=layers,
-            final_norm=final_norm.data_ptr(),
+            final_norm=self._norm(model.norm),
             lm_head=lm_head,
             embedding=_embedding_matrix(model, self._keep),
             embedding_scale=config.embedding_scale,
+            activation=ACTIVATIONS[config.activation],
+            sliding=int(config.has_sliding_layers),
         )
         self._bound_cache: weakref.ref[PagedKVCache] | None = None
         self._bound_boundaries: tuple[int, ...] = ()
+
+    def _norm(self, norm: nn.Module) -> int:
+        """The address of a norm's float32 weight (kept alive with the stack)."""
+        weight = norm.weight.detach().float().contiguous()
+        self._keep.append(weight)
+        return weight.data_ptr()
 
     @classmethod
     def build(cls, model: DecoderModel) -> NativeStack | None:
@@ -339,7 +357,11 @@ class NativeStack:
         if hidden is not None:
             hidden = hidden.to(torch.float32).contiguous()  # (boundary states may be kept in bf16)
         rotations = model._rotary[GLOBAL].table(batch.longest_context)
+        local_rotations = model._rotary.get(SLIDING, model._rotary[GLOBAL]).table(batch.longest_context)
         context, sequence, visible = _attention_rows(batch)
+        local_visible = visible
+        if self._model.sliding:
+            local_visible = _window(batch, visible, model.config.sliding_window)
         logits = torch.empty(batch.logit_rows.shape[0], self._model.vocab, dtype=torch.float32)
         step = Step(
             tokens=tokens,
@@ -356,9 +378,14 @@ class NativeStack:
             threads=torch.get_num_threads(),
             start_layer=start_layer,
             input=None if hidden is None else hidden.data_ptr(),
+            local_rotations=local_rotations.data_ptr(),
+            local_visible=local_visible.ctypes.data,
         )
         if self._lib.polylane_forward(ctypes.byref(self._model), ctypes.byref(step), logits.data_ptr()) != 0:
             raise MemoryError("the native forward could not allocate its scratch memory")
+        if model.config.final_logit_softcap:
+            cap = model.config.final_logit_softcap
+            logits = torch.tanh(logits / cap) * cap
         return logits
 
 
@@ -382,6 +409,22 @@ def _attention_rows(batch: ForwardBatch) -> tuple[np.ndarray, np.ndarray, np.nda
         visible[start:end, chunk.num_cached : chunk.context_len] = new_token_visibility(chunk)
         start = end
     return context, sequence, visible
+
+
+def _window(batch: ForwardBatch, visible: np.ndarray, window: int) -> np.ndarray:
+    """`visible` (T, C) narrowed to the keys a sliding layer sees: query position minus key position
+    below `window` (a committed key's position is its index in the context, a new key's that of
+    its token: tree branches share positions)."""
+    if batch.longest_context <= window:
+        return visible
+    positions = np.asarray(batch.host_positions, dtype=np.int64)
+    key_positions = np.broadcast_to(np.arange(visible.shape[1], dtype=np.int64), visible.shape).copy()
+    start = 0
+    for chunk in batch.chunks:
+        end = start + chunk.num_new
+        key_positions[start:end, chunk.num_cached : chunk.context_len] = positions[start:end]
+        start = end
+    return visible & (positions[:, None] - key_positions < window)
 
 
 def _boundary(cache: PagedKVCache, layer: int) -> tuple[int | None, int | None]:
