@@ -950,7 +950,7 @@ static inline __attribute__((always_inline)) void attention_impl(const Model *mo
  * block) the scores S = Q K^T come from tiles (Q rounded to bf16), the softmax is float32, and
  * O = P V comes from tiles again (P rounded to bf16). The rounding makes these tokens' outputs
  * differ slightly from the per-token loop's, so only prompt runs take this path, as they take the
- * int4 prompt kernel; head sizes 64 or 128. */
+ * int4 prompt kernel; head sizes 64, 128 or 256. */
 
 /* All eight tiles 16 rows × 64 bytes: 0-3 float32 sums, 2-5 also the query tiles while scoring,
  * 4-7 weights and packed keys or values. */
@@ -993,9 +993,11 @@ typedef struct {
     uint16_t *masks;   /* 16 × padded / 16: which keys of each 16 a row sees */
 } BlockWork;
 
-/* Query head `head` of a run's 16-token block `block`: those tokens' attention output rows. */
-static void attend_block(const Model *model, const Step *step, const Run *run, int64_t head, int64_t block,
-                         const float *qkv, float *out, int64_t padded, const BlockWork *work) {
+/* Query head `head` of a run's 16-token block `block`: those tokens' attention output rows, over
+the keys `visible_rows` (T, C) lets each see. */
+static void attend_block(const Model *model, const Step *step, const uint8_t *visible_rows, const Run *run,
+                         int64_t head, int64_t block, const float *qkv, float *out, int64_t padded,
+                         const BlockWork *work) {
     const int64_t dim = model->head_dim, heads = model->heads, context = step->context_len;
     const int64_t width = (heads + 2 * model->kv_heads) * dim, kvh = head / (heads / model->kv_heads);
     const int64_t chunks = dim / 32, key_blocks = padded / 16, first = run->first + 16 * block;
@@ -1011,14 +1013,16 @@ static void attend_block(const Model *model, const Step *step, const Run *run, i
             const int64_t span = i >= rows || context <= 16 * j ? 0 : context - 16 * j < 16 ? context - 16 * j : 16;
             const __mmask16 lanes = span == 16 ? 0xffff : (__mmask16)((1u << span) - 1);
             masks[i * key_blocks + j] = span == 0 ? 0 : _mm_mask_cmpneq_epi8_mask(
-                lanes, _mm_maskz_loadu_epi8(lanes, step->visible + (first + i) * context + 16 * j), _mm_setzero_si128());
+                lanes, _mm_maskz_loadu_epi8(lanes, visible_rows + (first + i) * context + 16 * j), _mm_setzero_si128());
         }
     }
-    _tile_loadd(2, queries, dim * 2);
-    _tile_loadd(3, queries + 32, dim * 2);
-    if (chunks > 2) {
-        _tile_loadd(4, queries + 64, dim * 2);
-        _tile_loadd(5, queries + 96, dim * 2);
+    if (chunks <= 4) { /* up to 128 dims: the query tiles stay loaded (2-5); 256: loaded per use */
+        _tile_loadd(2, queries, dim * 2);
+        _tile_loadd(3, queries + 32, dim * 2);
+        if (chunks > 2) {
+            _tile_loadd(4, queries + 64, dim * 2);
+            _tile_loadd(5, queries + 96, dim * 2);
+        }
     }
     /* which pairs of key blocks (32 keys) some row sees: the others are skipped below, twice */
     uint8_t seen_pair[key_blocks / 2];
@@ -1041,11 +1045,18 @@ static void attend_block(const Model *model, const Step *step, const Run *run, i
         const uint32_t *k0 = keys + j * chunks * 256, *k1 = k0 + chunks * 256;
         _tile_zero(0);
         _tile_zero(1);
-        KEY_PAIR_PRODUCTS(2, 0);
-        KEY_PAIR_PRODUCTS(3, 256);
-        if (chunks > 2) {
-            KEY_PAIR_PRODUCTS(4, 512);
-            KEY_PAIR_PRODUCTS(5, 768);
+        if (chunks <= 4) {
+            KEY_PAIR_PRODUCTS(2, 0);
+            KEY_PAIR_PRODUCTS(3, 256);
+            if (chunks > 2) {
+                KEY_PAIR_PRODUCTS(4, 512);
+                KEY_PAIR_PRODUCTS(5, 768);
+            }
+        } else {
+            for (int64_t c = 0; c < chunks; c++) {
+                _tile_loadd(2, queries + 32 * c, dim * 2);
+                KEY_PAIR_PRODUCTS(2, 256 * c);
+            }
         }
         _tile_stored(0, scores + 16 * j, padded * 4);
         _tile_stored(1, scores + 16 * j + 16, padded * 4);
@@ -1099,6 +1110,7 @@ static void attend_block(const Model *model, const Step *step, const Run *run, i
 static int attend_runs(const Model *model, const Layer *layer, const Step *step, const Runs *runs, const float *qkv,
                        float *out) {
     const int64_t dim = model->head_dim, padded = runs->padded, kv_width = model->kv_heads * dim;
+    const uint8_t *visible = layer->sliding ? step->local_visible : step->visible;
     const Run *run = runs->runs;
     int64_t items = 0;
     for (int64_t r = 0; r < runs->count; r++) items += model->heads * ((run[r].count + 15) / 16);
@@ -1120,7 +1132,7 @@ static int attend_runs(const Model *model, const Layer *layer, const Step *step,
             int64_t r = 0, rest = item; /* later blocks see more keys: they go first */
             while (rest >= model->heads * ((run[r].count + 15) / 16)) rest -= model->heads * ((run[r++].count + 15) / 16);
             const int64_t blocks = (run[r].count + 15) / 16;
-            attend_block(model, step, &run[r], rest % model->heads, blocks - 1 - rest / model->heads, qkv, out,
+            attend_block(model, step, visible, &run[r], rest % model->heads, blocks - 1 - rest / model->heads, qkv, out,
                          padded, &work);
         }
 #pragma omp atomic
@@ -1142,7 +1154,7 @@ static int find_runs(const Model *model, const Step *step, Runs *runs) {
     const int64_t tokens = step->tokens, context = step->context_len, dim = model->head_dim;
     const int amx = amx_on();
     runs->padded = (context + 31) / 32 * 32;
-    runs->tiles = amx && model->kv_bf16 && (dim == 64 || dim == 128) && !model->sliding;
+    runs->tiles = amx && model->kv_bf16 && (dim == 64 || dim == 128 || dim == 256);
     runs->runs = malloc(sizeof(Run) * (size_t)(tokens / RUN_ROWS + 1));
     runs->others = malloc(sizeof(int64_t) * (size_t)(tokens + 1));
     uint8_t *logit = calloc((size_t)tokens + 1, 1);
