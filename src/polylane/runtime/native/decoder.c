@@ -99,7 +99,6 @@ typedef struct {
     void *final_boundary;  /* (slots, E) the last layer's output per slot, as `boundary`; NULL: not kept */
     uint8_t *final_boundary_valid;
     int64_t activation;    /* the MLP's gate: SILU or GELU_TANH */
-    int64_t sliding;       /* some layer attends within a sliding window */
 } Model;
 
 enum { SILU = 0, GELU_TANH = 1 };
@@ -994,7 +993,7 @@ typedef struct {
 } BlockWork;
 
 /* Query head `head` of a run's 16-token block `block`: those tokens' attention output rows, over
-the keys `visible_rows` (T, C) lets each see. */
+ * the keys `visible_rows` (T, C) lets each see. */
 static void attend_block(const Model *model, const Step *step, const uint8_t *visible_rows, const Run *run,
                          int64_t head, int64_t block, const float *qkv, float *out, int64_t padded,
                          const BlockWork *work) {

@@ -104,7 +104,6 @@ class Model(ctypes.Structure):
         ("final_boundary", _pointer),
         ("final_boundary_valid", _pointer),
         ("activation", ctypes.c_int64),
-        ("sliding", ctypes.c_int64),
     ]
 
 
@@ -298,7 +297,6 @@ class NativeStack:
             embedding=_embedding_matrix(model, self._keep),
             embedding_scale=config.embedding_scale,
             activation=ACTIVATIONS[config.activation],
-            sliding=int(config.has_sliding_layers),
         )
         self._bound_cache: weakref.ref[PagedKVCache] | None = None
         self._bound_boundaries: tuple[int, ...] = ()
@@ -360,7 +358,7 @@ class NativeStack:
         local_rotations = model._rotary.get(SLIDING, model._rotary[GLOBAL]).table(batch.longest_context)
         context, sequence, visible = _attention_rows(batch)
         local_visible = visible
-        if self._model.sliding:
+        if model.config.has_sliding_layers:
             local_visible = _window(batch, visible, model.config.sliding_window)
         logits = torch.empty(batch.logit_rows.shape[0], self._model.vocab, dtype=torch.float32)
         step = Step(
