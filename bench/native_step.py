@@ -1,6 +1,6 @@
 """One forward step, native stack against the torch path, side by side in one run.
 
-Run:  python bench/native_step.py [--model smollm2-135m-instruct] [--dtype int4|bf16|fp32]
+Run:  python bench/native_step.py [--model smollm2-135m-instruct] [--dtype int4|int8|bf16|fp32]
       [--batch 1 8] [--context 64 400] [--threads 2] [--steps 40] [--prefill 127 383]
       [--prompts 1]
 
@@ -45,7 +45,7 @@ def time_step(module, cache, chunks, steps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="int4", choices=["int4", "bf16", "fp32"])
+    parser.add_argument("--dtype", default="int4", choices=["int4", "int8", "bf16", "fp32"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--context", type=int, nargs="+", default=[64, 400])
     parser.add_argument("--threads", type=int, default=2)

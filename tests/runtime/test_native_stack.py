@@ -13,7 +13,7 @@
   bf16 within bf16 tolerance (the native stack keeps float32 activations), float32 to 1e-3.
 - Gemma 3 runs natively too (QK norms, sandwich norms, GELU, sliding layers with their own RoPE
   base): its sliding layers see exactly their window, past it as before it.
-- It runs only where it can: int8 models keep the torch path; no compiler or
+- It runs only where it can: no compiler or
   POLYLANE_NATIVE=0 means no native stack, with a log line saying why.
 """
 
@@ -58,11 +58,13 @@ def kernel(request):
         lib.polylane_use_amx(1)
 
 
-def _projection(out_features: int, in_features: int, bias: bool, seed: int = 0) -> QuantizedProjection:
+def _projection(
+    out_features: int, in_features: int, bias: bool, seed: int = 0, bits: int = 4
+) -> QuantizedProjection:
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=generator) * 0.05
     bias_values = torch.randn(out_features, generator=generator) if bias else None
-    return QuantizedProjection(weight, bias_values, bits=4)
+    return QuantizedProjection(weight, bias_values, bits=bits)
 
 
 @pytest.mark.parametrize("prompt", [False, True])
@@ -81,6 +83,18 @@ def test_matmul_multiplies_by_the_packed_weight(kernel, rows, prompt):
         f"{kernel}, {rows} rows{', a prompt run' if prompt else ''}: max error {error:.3g} against values"
         f" up to {scale:.3g}"
     )
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 40])
+def test_int8_matmul_multiplies_by_each_rows_scaled_codes(kernel, rows):
+    projection = _projection(192, 160, bias=True, bits=8)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    weight = projection.qweight.double() * projection.scales.double()[:, None]  # w = q · scale
+    expected = x.to(torch.bfloat16).double() @ weight.t() + projection.bias.double()
+    got = native.matmul(projection, x).double()
+    error = (got - expected).abs().max().item()
+    scale = expected.abs().max().item()
+    assert error <= 2e-5 * scale, f"{kernel}, {rows} rows: max error {error:.3g} of {scale:.3g}"
 
 
 def _dense(out_features: int, in_features: int, dtype: torch.dtype, input_major: bool) -> Projection:
@@ -112,10 +126,10 @@ def test_dense_matmul_multiplies_by_the_weight(kernel, dtype, input_major, rows)
     assert error <= 2e-5 * scale, f"{kernel}, {dtype}, {rows} rows: max error {error:.3g} of {scale:.3g}"
 
 
-@pytest.mark.parametrize("dtype", ["int4", "bf16", "fp32"])
+@pytest.mark.parametrize("dtype", ["int4", "int8", "bf16", "fp32"])
 def test_each_row_is_the_same_alone_or_in_a_batch(kernel, dtype):
-    if dtype == "int4":
-        projection = _projection(256, 576, bias=False, seed=1)
+    if dtype in ("int4", "int8"):
+        projection = _projection(256, 576, bias=False, seed=1, bits=int(dtype[3:]))
     else:
         projection = _dense(256, 576, torch.bfloat16 if dtype == "bf16" else torch.float32, False)
     x = torch.randn(23, 576, generator=torch.Generator().manual_seed(2))
@@ -233,11 +247,13 @@ def _forward(module, cache, chunks):
 
 
 # (top-1 agreement at least, mean-abs difference at most) of the native stack against torch
-AGREEMENT = {"int4": (0.85, 0.15), "bf16": (0.9, 0.3), "fp32": (1.0, 1e-4)}
+AGREEMENT = {"int4": (0.85, 0.15), "int8": (0.85, 0.15), "bf16": (0.9, 0.3), "fp32": (1.0, 1e-4)}
 
 
 @needs_native
-@pytest.mark.parametrize(("name", "dtype"), [(SMOL, "int4"), (QWEN, "int4"), (SMOL, "bf16"), (SMOL, "fp32")])
+@pytest.mark.parametrize(
+    ("name", "dtype"), [(SMOL, "int4"), (QWEN, "int4"), (SMOL, "int8"), (SMOL, "bf16"), (SMOL, "fp32")]
+)
 def test_native_stack_agrees_with_the_torch_path(load_real_model, name, dtype):
     model = load_real_model(name, dtype)
     module = _native(model)
@@ -272,7 +288,7 @@ def test_native_stack_agrees_with_the_torch_path(load_real_model, name, dtype):
 
 
 @needs_native
-@pytest.mark.parametrize(("name", "dtype"), [(SMOL, "int4"), (SMOL, "bf16"), (GEMMA, "int4")])
+@pytest.mark.parametrize(("name", "dtype"), [(SMOL, "int4"), (SMOL, "int8"), (SMOL, "bf16"), (GEMMA, "int4")])
 def test_verify_pass_and_batched_steps_give_decode_logits_exactly(load_real_model, name, dtype):
     model = load_real_model(name, dtype)
     module = _native(model)
@@ -328,10 +344,6 @@ def test_a_prompt_run_and_a_decode_token_do_not_change_each_other(load_real_mode
     together = _forward(module, cache, [prompt, step])
     assert torch.equal(together[0], prompt_alone[0]), f"{kernel}: a prompt run changed beside a decode token"
     assert torch.equal(together[1], decode_alone[0]), f"{kernel}: a decode token changed beside a prompt run"
-
-
-def test_models_the_stack_cannot_run_keep_the_torch_path(load_real_model):
-    assert load_real_model(SMOL, "int8").module.native_stack is None
 
 
 def test_no_library_means_no_native_stack(load_real_model, monkeypatch):

@@ -9,7 +9,7 @@
  * this file does arithmetic only and allocates nothing that outlives a call. Activations, norms
  * and attention are float32; the KV cache is bf16 or float32.
  *
- * Weights, each projection read in place in one of four forms:
+ * Weights, each projection read in place in one of five forms:
  * - INT4: torch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu`): for each block of 64
  *   output rows and each pair of input columns (k = 2kk, 2kk + 1), 64 bytes where byte j < 32
  *   holds column 2kk and byte j >= 32 column 2kk + 1, of row j % 32 in the low nibble and row
@@ -17,9 +17,12 @@
  *   row, w = (q - 8) * scale + zero. Activations are rounded to bf16, as torch's kernel takes
  *   them; each group's products accumulate in float32, then scale and zero apply.
  * - BF16: (N, K) bf16, activations rounded to bf16, float32 sums over all of K.
+ * - INT8: (N, K) int8 (torch's `_weight_int8pack_mm` layout) and one float32 scale per output row,
+ *   w = q * scale: activations rounded to bf16 times q (exact in bf16), float32 sums over all of
+ *   K, then the scale; always with AVX512-BF16 dot products.
  * - FP32 (N, K) and FP32_INPUT_MAJOR (K, N): float32 throughout (AVX-512 FMAs).
- * bf16 products run on AMX tiles where the CPU has them (up to 16 tokens per tile product), else
- * with AVX512-BF16 dot products; one process always uses one of the two.
+ * int4 and bf16 products run on AMX tiles where the CPU has them (up to 16 tokens per tile
+ * product), else with AVX512-BF16 dot products; one process always uses one of the two.
  *
  * Every token's arithmetic is the same whatever else is in the batch (rows never mix, and each
  * row's sums run in one fixed order), so a verify pass gives a token exactly the logits a decode
@@ -66,12 +69,13 @@
 #define PREFETCH_BYTES 4096
 #endif
 
-enum { INT4 = 0, BF16 = 1, FP32 = 2, FP32_INPUT_MAJOR = 3 };
+enum { INT4 = 0, BF16 = 1, FP32 = 2, FP32_INPUT_MAJOR = 3, INT8 = 4 };
 
 typedef struct {
-    int64_t kind;            /* INT4, BF16, FP32 or FP32_INPUT_MAJOR */
-    const void *weight;      /* INT4: packed (N/64, K/2, 64); BF16, FP32: (N, K); FP32_INPUT_MAJOR: (K, N) */
-    const uint32_t *scales;  /* INT4: (K/32, N), bf16 scale in the low half, bf16 zero in the high */
+    int64_t kind;            /* INT4, BF16, INT8, FP32 or FP32_INPUT_MAJOR */
+    const void *weight;      /* INT4: packed (N/64, K/2, 64); BF16, INT8, FP32: (N, K); FP32_INPUT_MAJOR: (K, N) */
+    const uint32_t *scales;  /* INT4: (K/32, N), bf16 scale in the low half, bf16 zero in the high;
+                              * INT8: (N,) float32 */
     const float *bias;       /* (N,) or NULL */
     int64_t in_features, out_features;
 } Matrix;
@@ -508,12 +512,21 @@ static void pairs_as_tiles(const uint32_t *x_pairs, int64_t rows, int64_t pairs,
             x_tiles[((m / 16) * groups + kk / 16) * 256 + (kk % 16) * 16 + m % 16] = x_pairs[m * pairs + kk];
 }
 
-/* y[m, n0 : n0 + 4] = x W^T for a dense bf16 or float32 weight (N, K), with AVX-512: four
+/* 32 int8 weights as bf16 (exact), in column order. */
+static inline __m512 int8_as_bf16(const int8_t *q) {
+    const __m512i wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)q));
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(wide)));
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(wide, 1)));
+    return (__m512)_mm512_cvtne2ps_pbh(high, low);
+}
+
+/* y[m, n0 : n0 + 4] = x W^T for a bf16, int8 or float32 weight (N, K), with AVX-512: four
  * weight rows × up to four rows of x at a time, each dot product one chain over K then one lane
- * sum, so a row's result does not depend on the others. bf16 multiplies x's bf16 pairs. */
+ * sum, so a row's result does not depend on the others. bf16 and int8 multiply x's bf16 pairs
+ * (int8 then times its row's scale). */
 static void dense_rows_avx(const Matrix *w, const float *x, const uint32_t *x_pairs, int64_t rows, int64_t n0,
                            float *y, int64_t ldy) {
-    const int64_t k = w->in_features, bf16 = w->kind == BF16;
+    const int64_t k = w->in_features, int8 = w->kind == INT8, bf16 = w->kind == BF16 || int8;
     const int64_t step = bf16 ? 32 : 16; /* columns per vector */
     for (int64_t m0 = 0; m0 < rows; m0 += 4) {
         const int64_t count = rows - m0 < 4 ? rows - m0 : 4;
@@ -523,10 +536,11 @@ static void dense_rows_avx(const Matrix *w, const float *x, const uint32_t *x_pa
         for (int64_t c = 0; c < k; c += step) {
             __m512 wv[4];
             for (int o = 0; o < 4; o++) {
-                const char *row = bf16 ? (const char *)((const uint16_t *)w->weight + (n0 + o) * k + c)
-                                       : (const char *)((const float *)w->weight + (n0 + o) * k + c);
+                const char *row = int8   ? (const char *)((const int8_t *)w->weight + (n0 + o) * k + c)
+                                  : bf16 ? (const char *)((const uint16_t *)w->weight + (n0 + o) * k + c)
+                                         : (const char *)((const float *)w->weight + (n0 + o) * k + c);
                 _mm_prefetch(row + PREFETCH_BYTES, _MM_HINT_T0);
-                wv[o] = _mm512_loadu_ps((const float *)row);
+                wv[o] = int8 ? int8_as_bf16((const int8_t *)row) : _mm512_loadu_ps((const float *)row);
             }
             for (int64_t m = 0; m < count; m++) {
                 if (bf16) {
@@ -539,9 +553,11 @@ static void dense_rows_avx(const Matrix *w, const float *x, const uint32_t *x_pa
             }
         }
         for (int64_t m = 0; m < count; m++)
-            for (int o = 0; o < 4; o++)
-                y[(m0 + m) * ldy + n0 + o] =
-                    _mm512_reduce_add_ps(acc[m][o]) + (w->bias != NULL ? w->bias[n0 + o] : 0.0f);
+            for (int o = 0; o < 4; o++) {
+                const float sum = _mm512_reduce_add_ps(acc[m][o]);
+                y[(m0 + m) * ldy + n0 + o] = (int8 ? sum * ((const float *)w->scales)[n0 + o] : sum) +
+                                             (w->bias != NULL ? w->bias[n0 + o] : 0.0f);
+            }
     }
 }
 
@@ -658,7 +674,7 @@ static void matmul(const Matrix *w, const float *x, int64_t rows, float *y, cons
     if (!dense32) EACH_ROW(m, rows, prepare_row(x + m * k, k, scratch->x16 + m * k, scratch->sums + m * (k / GROUP)));
     const int amx = amx_on();
 #ifdef HAVE_AMX
-    if (amx && !dense32) {
+    if (amx && (w->kind == INT4 || w->kind == BF16)) { /* (int8 always takes the dot products) */
         if (w->kind == BF16) pairs_as_tiles(x_pairs, rows, w->in_features / 2, scratch->x_tiles);
         const int64_t prompt_runs = w->kind == INT4 && runs ? runs->count : 0;
 #pragma omp parallel num_threads(threads)
@@ -696,7 +712,8 @@ static void matmul(const Matrix *w, const float *x, int64_t rows, float *y, cons
     } else if (w->kind == INT4) {
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t b = 0; b < blocks; b++) int4_block(w, x_pairs, scratch->sums, rows, b, y, w->out_features);
-    } else { /* four output rows at a time: 576 rows are 144 even shares, not 9 blocks of 64 */
+    } else { /* bf16, int8, float32: four output rows at a time (576 rows are 144 even shares, not
+              * 9 blocks of 64) */
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t n0 = 0; n0 < w->out_features; n0 += 4) dense_rows_avx(w, x, x_pairs, rows, n0, y, w->out_features);
     }

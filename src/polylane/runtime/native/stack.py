@@ -1,13 +1,13 @@
 """A Llama/Qwen2/Gemma 3 model's whole layer stack in one native call (decoder.c), and when it runs.
 
 What this module owns: deciding whether a loaded model can run natively (Llama-style or Gemma 3
-blocks, projections int4, bf16 or float32 with output rows in blocks of 64, a C compiler and a CPU
+blocks, projections int4, int8, bf16 or float32 with output rows in blocks of 64, a C compiler and a CPU
 with AVX512-BF16 and VBMI), describing its weights to the C code once (`NativeStack.build`, called
 by `load_model`), and, per forward, the index arrays the C code reads (which slots each token
 writes and reads, which keys it may see, in sliding layers too). `DecoderModel.forward` asks
 `NativeStack.forward` first; a None answer (a batch of many tokens, a cache off the CPU) means the
 torch path runs. Boundary states (the hidden state entering a layer that a peer model shares up to)
-are recorded as torch records them. int8 models always run on torch.
+are recorded as torch records them.
 
 The C code computes each token independently of the others in its batch (see its header), so a
 decode step and a verify pass agree exactly; a prompt chunk of 16+ tokens takes the AMX prompt
@@ -40,9 +40,10 @@ if TYPE_CHECKING:
 # tokens, 2,954 vs 1,123 at 1,024, 2,034 vs 1,006 at 2,048 (`bench/native_step.py --prefill 511 1024
 # 2048`); the cap bounds the per-forward scratch (T × 2I floats, ~50 MB at 4,096 tokens). bf16:
 # 1,656 vs 1,295 at 64, 1,670 vs 1,817 at 127 (`python bench/native_step.py --dtype bf16 --prefill
-# 64 127`, oneDNN's AMX GEMMs). float32 has no matrix unit: from a few rows MKL's GEMMs win.
-INT4, BF16, FP32, FP32_INPUT_MAJOR = 0, 1, 2, 3
-MAX_TOKENS = {INT4: 4096, BF16: 96, FP32: 8, FP32_INPUT_MAJOR: 8}
+# 64 127`, oneDNN's AMX GEMMs). int8 (dot products only): 484 vs 481 at 48, 476 vs 509 at 63
+# (`--dtype int8 --prefill 16 32 48 63`). float32 has no matrix unit: from a few rows MKL's GEMMs win.
+INT4, BF16, FP32, FP32_INPUT_MAJOR, INT8 = 0, 1, 2, 3, 4
+MAX_TOKENS = {INT4: 4096, BF16: 96, INT8: 48, FP32: 8, FP32_INPUT_MAJOR: 8}
 # Without AMX (AVX512-BF16 dot products, no tile attention) int4 prompts gain nothing from ~128
 # tokens on: 585 vs 587 tokens/s at 127, 505 vs 881 at 511 (the same command's avx512-bf16 column).
 MAX_TOKENS_WITHOUT_AMX = {**MAX_TOKENS, INT4: 128}
@@ -197,16 +198,17 @@ def _described(kind, weight, scales, bias, in_features, out_features, keep: list
 
 
 def describe(projection: nn.Module, keep: list[torch.Tensor]) -> Matrix:
-    """Any projection of a model (int4, bf16 or float32) as the C code reads it; `keep` collects
+    """Any projection of a model (int4, int8, bf16 or float32) as the C code reads it; `keep` collects
     the tensors the description points into. ValueError where no native kernel fits."""
     from polylane.runtime.quantize import QuantizedProjection
 
     if isinstance(projection, QuantizedProjection):
-        if projection.bits != 4:
-            raise ValueError("no native kernel for int8 weights")
-        qweight, scales = projection.qweight.contiguous(), projection.scales.contiguous()
-        bias = projection.bias
-        return _described(INT4, qweight, scales, bias, projection.in_features, projection.out_features, keep)
+        qweight, bias = projection.qweight.contiguous(), projection.bias
+        if projection.bits == 8:  # (N, K) int8 and a float32 scale per output row
+            kind, scales = INT8, projection.scales.float().contiguous()
+        else:
+            kind, scales = INT4, projection.scales.contiguous()
+        return _described(kind, qweight, scales, bias, projection.in_features, projection.out_features, keep)
     if isinstance(projection, Projection):
         return _weight_matrix(projection.weight, projection.bias, projection.input_major, keep)
     raise ValueError(f"no native kernel for {type(projection).__name__}")
@@ -317,7 +319,7 @@ class NativeStack:
             return None
         try:
             return cls(lib, model)
-        except ValueError:  # a projection no kernel takes (int8, odd shapes): torch runs it
+        except ValueError:  # a projection no kernel takes (odd shapes): torch runs it
             return None
 
     def _bind(self, cache: PagedKVCache) -> None:
