@@ -92,3 +92,28 @@ def test_int4_many_rows_go_through_the_dequantised_weight(monkeypatch):
     calls.clear()
     projection(x[: quantize.DEQUANTIZE_MIN_ROWS - 1])
     assert not calls, "a few rows took the dequantised path"
+
+
+def test_int8_many_rows_go_through_a_bf16_gemm_of_the_codes(monkeypatch):
+    """From INT8_GEMM_MIN_ROWS rows an int8 projection multiplies by its codes in bf16 (exact) and
+    scales each output after; the result agrees with torch's int8 kernel to bf16 rounding."""
+    import polylane.runtime.quantize as quantize
+
+    torch.manual_seed(0)
+    projection = QuantizedProjection(torch.randn(192, 96), torch.randn(192), 8)
+    x = torch.randn(quantize.INT8_GEMM_MIN_ROWS, 96)
+    kernel_calls = []
+    int8_kernel = torch.ops.aten._weight_int8pack_mm
+
+    def counted(*args):
+        kernel_calls.append(args[0].shape[0])
+        return int8_kernel(*args)
+
+    monkeypatch.setattr(quantize.torch.ops.aten, "_weight_int8pack_mm", counted)
+    dense = projection(x)
+    assert not kernel_calls, "many rows took torch's int8 kernel"
+    kernel = int8_kernel(x.to(torch.bfloat16), projection.qweight, projection.scales).float()
+    kernel = kernel + projection.bias.float()
+    assert (dense - kernel).abs().max() <= 2**-7 * kernel.abs().max()
+    projection(x[: quantize.INT8_GEMM_MIN_ROWS - 1])
+    assert kernel_calls == [quantize.INT8_GEMM_MIN_ROWS - 1], "a few rows did not take the int8 kernel"
