@@ -85,13 +85,15 @@ def test_matmul_multiplies_by_the_packed_weight(kernel, rows, prompt):
     )
 
 
+@pytest.mark.parametrize("prompt", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 17, 40])
-def test_int8_matmul_multiplies_by_each_rows_scaled_codes(kernel, rows):
+def test_int8_matmul_multiplies_by_each_rows_scaled_codes(kernel, rows, prompt):
+    # (a prompt run on AMX: the same products on tiles, summed in another order)
     projection = _projection(192, 160, bias=True, bits=8)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
     weight = projection.qweight.double() * projection.scales.double()[:, None]  # w = q · scale
     expected = x.to(torch.bfloat16).double() @ weight.t() + projection.bias.double()
-    got = native.matmul(projection, x).double()
+    got = native.matmul(projection, x, prompt).double()
     error = (got - expected).abs().max().item()
     scale = expected.abs().max().item()
     assert error <= 2e-5 * scale, f"{kernel}, {rows} rows: max error {error:.3g} of {scale:.3g}"
@@ -156,14 +158,14 @@ def test_a_long_prompt_chunk_without_logits_runs_natively(load_real_model):
 
 
 @needs_native
-@pytest.mark.parametrize("name", [SMOL, GEMMA])
-def test_prompt_runs_on_tiles_agree_with_the_torch_path(load_real_model, name):
+@pytest.mark.parametrize(("name", "dtype"), [(SMOL, "int4"), (GEMMA, "int4"), (SMOL, "int8")])
+def test_prompt_runs_on_tiles_agree_with_the_torch_path(load_real_model, name, dtype):
     # one prompt step: runs of 16+ tokens of one sequence attend on AMX tiles (a 300-token prompt,
     # a 17-token one with a 1-token last block, 150 tokens after a cached 100-token prefix, 600
     # tokens: past Gemma's 512-token sliding window), shorter ones (5 tokens) per token; then each
     # sequence decodes 6 steps, reading the KV cache the prompt step wrote (the native run's greedy
     # tokens, fed to both runs: a near tie must not fork them)
-    model = load_real_model(name, "int4")
+    model = load_real_model(name, dtype)
     module = _native(model)
     ids = tuple(model.tokenizer.encode(TEXT * 12))
     prompts = {
@@ -197,13 +199,13 @@ def test_prompt_runs_on_tiles_agree_with_the_torch_path(load_real_model, name):
 
     fast, reference = _native_and_torch(module, run)
     assert torch.isfinite(fast).all()
-    min_top1, max_mean_abs = AGREEMENT["int4"]
+    min_top1, max_mean_abs = AGREEMENT[dtype]
     # every row, and the last prompt's alone (rows 4, 9, …: one per step)
     last_prompt = slice(len(prompts) - 1, None, len(prompts))
     for rows, label in ((slice(None), "all rows"), (last_prompt, "past the window")):
         top1 = (fast[rows].argmax(-1) == reference[rows].argmax(-1)).float().mean().item()
         mean_abs = (fast[rows] - reference[rows]).abs().mean().item()
-        print(f"{name}, {label}: top-1 {top1:.3f}, mean-abs {mean_abs:.3g}")
+        print(f"{name} {dtype}, {label}: top-1 {top1:.3f}, mean-abs {mean_abs:.3g}")
         assert top1 >= min_top1 and mean_abs <= max_mean_abs, (label, top1, mean_abs)
 
 

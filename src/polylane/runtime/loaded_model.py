@@ -31,7 +31,7 @@ class LoadedModel:
     weight_bytes: int
     load_seconds: float
     digest: ModelDigest | None = None  # per-layer digests (`runtime.digests`); None: not computed
-    # The KV cache's element type (None: the activations' dtype). int4 models on the native stack
+    # The KV cache's element type (None: the activations' dtype). int4 and int8 models on the native stack
     # keep bf16 K/V: a decode step streams the cache, and bf16 halves it, as llama.cpp's f16 does.
     kv_cache_dtype: torch.dtype | None = None
 
@@ -75,7 +75,7 @@ def load_model(
     digest = model_digest(source, dtype, weights.model, weights.config, tokenizer, run_dtype)
     place_model(weights.model, target)
     weights.model.native_stack = NativeStack.build(weights.model)
-    native_int4 = weights.model.native_stack is not None and quantised == "int4"
+    native_quantised = weights.model.native_stack is not None and quantised is not None
     loaded = LoadedModel(
         name=source.name,
         source=source,
@@ -86,7 +86,7 @@ def load_model(
         weight_bytes=weight_bytes,
         load_seconds=0.0,
         digest=digest,
-        kv_cache_dtype=torch.bfloat16 if native_int4 else None,
+        kv_cache_dtype=torch.bfloat16 if native_quantised else None,
     )
     loaded.load_seconds = time.perf_counter() - started
     return loaded

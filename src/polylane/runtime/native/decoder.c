@@ -19,7 +19,8 @@
  * - BF16: (N, K) bf16, activations rounded to bf16, float32 sums over all of K.
  * - INT8: (N, K) int8 (torch's `_weight_int8pack_mm` layout) and one float32 scale per output row,
  *   w = q * scale: activations rounded to bf16 times q (exact in bf16), float32 sums over all of
- *   K, then the scale; always with AVX512-BF16 dot products.
+ *   K, then the scale; with AVX512-BF16 dot products (int8 a decode step's speed, where AMX's tiles
+ *   would first need the block converted), except in prompt runs (below).
  * - FP32 (N, K) and FP32_INPUT_MAJOR (K, N): float32 throughout (AVX-512 FMAs).
  * int4 and bf16 products run on AMX tiles where the CPU has them (up to 16 tokens per tile
  * product), else with AVX512-BF16 dot products; one process always uses one of the two.
@@ -29,7 +30,8 @@
  * step would, and a sequence's tokens do not depend on which others share its steps: speculation
  * stays lossless against these kernels. The one exception is a prompt run on AMX: RUN_ROWS or
  * more consecutive tokens of one sequence with at most one logit row (a prompt chunk, never a
- * verify pass) take their int4 products with bf16-rounded weights and attend on AMX tiles with
+ * verify pass) take their int4 products with bf16-rounded weights, their int8 products on tiles
+ * (the same products, summed in another order), and attend on AMX tiles with
  * bf16-rounded queries and weights. Which path a token takes depends on its own sequence's chunk
  * alone: decode tokens and verify passes take the exact path whatever shares their step.
  */
@@ -280,6 +282,14 @@ static void int4_block(const Matrix *w, const uint32_t *x_pairs, const float *gr
     }
 }
 
+/* 32 int8 weights as bf16 (exact), in column order. */
+static inline __m512 int8_as_bf16(const int8_t *q) {
+    const __m512i wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)q));
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(wide)));
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(wide, 1)));
+    return (__m512)_mm512_cvtne2ps_pbh(high, low);
+}
+
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #define HAVE_AMX 1
 #include <sys/syscall.h>
@@ -461,16 +471,18 @@ static void configure_dense_tiles(int64_t rows) {
     _tile_loadconfig(&config);
 }
 
-/* y[m, 64b : 64b + 64] = x W^T for a bf16 weight (N, K): the weight is the tiles' A operand as it
- * lies in memory, x the B operand (`x_tiles`: per 16-row chunk of x and group of 32 columns, 16
- * column pairs × 16 rows), and the float32 products accumulate over all of K in the tiles. */
-static void bf16_block_amx(const Matrix *w, const uint32_t *x_tiles, int64_t rows, int64_t block, float *y,
-                           int64_t ldy) {
+/* y[m, 64b : 64b + 64] for rows first <= m < end of x (rows in all) = x W^T for a bf16 weight
+ * (N, K), or an int8 one: the block's 64 bf16 rows (`base`: the weight as it lies in memory, or an
+ * int8 block converted) are the tiles' A operand, x the B operand (`x_tiles`: per 16-row chunk of x
+ * and group of 32 columns, 16 column pairs × 16 rows), and the float32 products accumulate over all
+ * of K in the tiles, then an int8 row's scale applies. */
+static void bf16_block_amx(const Matrix *w, const uint16_t *base, const uint32_t *x_tiles, int64_t rows, int64_t first,
+                           int64_t end, int64_t block, float *y, int64_t ldy) {
     const int64_t k = w->in_features, groups = k / GROUP;
-    const uint16_t *base = (const uint16_t *)w->weight + block * 64 * k;
+    const float *scales = w->kind == INT8 ? (const float *)w->scales : NULL;
     __attribute__((aligned(64))) float products[4][16][16];
     int64_t configured = -1;
-    for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+    for (int64_t m0 = first / 16 * 16; m0 < end; m0 += 16) {
         const int64_t count = rows - m0 < 16 ? rows - m0 : 16;
         if (count != configured) configure_dense_tiles(configured = count);
         const uint32_t *chunk = x_tiles + (m0 / 16) * groups * 256;
@@ -492,13 +504,23 @@ static void bf16_block_amx(const Matrix *w, const uint32_t *x_tiles, int64_t row
         _tile_stored(1, products[1], 64);
         _tile_stored(2, products[2], 64);
         _tile_stored(3, products[3], 64);
-        for (int64_t m = 0; m < count; m++)
+        for (int64_t m = 0; m < count; m++) {
+            if (m0 + m < first || m0 + m >= end) continue; /* (a chunk's rows outside the range) */
             for (int j = 0; j < 4; j++)
                 for (int r = 0; r < 16; r++) {
                     const int64_t n = block * 64 + 16 * j + r;
-                    y[(m0 + m) * ldy + n] = products[j][r][m] + (w->bias != NULL ? w->bias[n] : 0.0f);
+                    const float product = scales ? products[j][r][m] * scales[n] : products[j][r][m];
+                    y[(m0 + m) * ldy + n] = product + (w->bias != NULL ? w->bias[n] : 0.0f);
                 }
+        }
     }
+}
+
+/* Block `block` (64 rows) of an int8 weight as bf16 rows (64 × K, exact) into `rows16`. */
+static void int8_block_as_bf16(const Matrix *w, int64_t block, uint16_t *rows16) {
+    const int64_t k = w->in_features;
+    const int8_t *base = (const int8_t *)w->weight + block * 64 * k;
+    for (int64_t i = 0; i < 64 * k; i += 32) _mm512_storeu_ps((float *)(rows16 + i), int8_as_bf16(base + i));
 }
 #endif
 
@@ -510,14 +532,6 @@ static void pairs_as_tiles(const uint32_t *x_pairs, int64_t rows, int64_t pairs,
     for (int64_t m = 0; m < rows; m++)
         for (int64_t kk = 0; kk < pairs; kk++)
             x_tiles[((m / 16) * groups + kk / 16) * 256 + (kk % 16) * 16 + m % 16] = x_pairs[m * pairs + kk];
-}
-
-/* 32 int8 weights as bf16 (exact), in column order. */
-static inline __m512 int8_as_bf16(const int8_t *q) {
-    const __m512i wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)q));
-    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(wide)));
-    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(wide, 1)));
-    return (__m512)_mm512_cvtne2ps_pbh(high, low);
 }
 
 /* y[m, n0 : n0 + 4] = x W^T for a bf16, int8 or float32 weight (N, K), with AVX-512: four
@@ -650,20 +664,30 @@ static int amx_on(void) {
 }
 
 #ifdef HAVE_AMX
-/* Rows first .. first + count - 1 of an int4 product's block on AMX: a prompt run's rows on the
- * block's dequantised `tiles` where there are some, else with the exact kernel. */
-static void int4_rows_amx(const Matrix *w, const uint32_t *x_pairs, const float *group_sums, int64_t first,
-                          int64_t count, int64_t block, float *y, const uint32_t *tiles) {
+/* Rows first .. first + count - 1 of an int4 or int8 product's block on AMX: a prompt run's rows on
+ * the block's `tiles` (int4 dequantised, int8 as bf16 rows) where there are some, else with the
+ * exact kernel (int8: the dot products, as every int8 row outside a prompt run). */
+static void quantised_rows_amx(const Matrix *w, const uint32_t *x_pairs, const float *group_sums,
+                               const uint32_t *x_tiles, int64_t rows, int64_t first, int64_t count, int64_t block,
+                               float *y, const uint32_t *tiles) {
     if (count <= 0) return;
     const int64_t pairs = w->in_features / 2, n = w->out_features;
-    if (tiles) int4_block_on_tiles(w, tiles, x_pairs + first * pairs, count, block, y + first * n, n);
-    else int4_block_amx(w, x_pairs + first * pairs, group_sums + first * (w->in_features / GROUP), count, block,
-                        y + first * n, n);
+    if (w->kind == INT8 && tiles) {
+        bf16_block_amx(w, (const uint16_t *)tiles, x_tiles, rows, first, first + count, block, y, n);
+    } else if (w->kind == INT8) {
+        for (int64_t n0 = 64 * block; n0 < 64 * block + 64; n0 += 4)
+            dense_rows_avx(w, NULL, x_pairs + first * pairs, count, n0, y + first * n, n);
+    } else if (tiles) {
+        int4_block_on_tiles(w, tiles, x_pairs + first * pairs, count, block, y + first * n, n);
+    } else {
+        int4_block_amx(w, x_pairs + first * pairs, group_sums + first * (w->in_features / GROUP), count, block,
+                       y + first * n, n);
+    }
 }
 #endif
 
-/* y (rows, N) = x (rows, K) W^T + b, float32 in and out, for any kind of weight; int4 rows in
- * `runs` (NULL: none) take the prompt kernel. */
+/* y (rows, N) = x (rows, K) W^T + b, float32 in and out, for any kind of weight; int4 and int8 rows
+ * in `runs` (NULL: none) take the prompt kernels where AMX is on. */
 static void matmul(const Matrix *w, const float *x, int64_t rows, float *y, const Scratch *scratch, int threads,
                    const Runs *runs) {
     if (rows == 0) return; /* e.g. a prompt chunk that needs no logits: no tile has zero rows */
@@ -674,31 +698,35 @@ static void matmul(const Matrix *w, const float *x, int64_t rows, float *y, cons
     if (!dense32) EACH_ROW(m, rows, prepare_row(x + m * k, k, scratch->x16 + m * k, scratch->sums + m * (k / GROUP)));
     const int amx = amx_on();
 #ifdef HAVE_AMX
-    if (amx && (w->kind == INT4 || w->kind == BF16)) { /* (int8 always takes the dot products) */
-        if (w->kind == BF16) pairs_as_tiles(x_pairs, rows, w->in_features / 2, scratch->x_tiles);
-        const int64_t prompt_runs = w->kind == INT4 && runs ? runs->count : 0;
+    const int64_t prompt_runs = (w->kind == INT4 || w->kind == INT8) && runs ? runs->count : 0;
+    /* (int8 outside prompt runs: the dot products below, whatever the batch) */
+    if (amx && (w->kind == INT4 || w->kind == BF16 || (w->kind == INT8 && prompt_runs))) {
+        if (w->kind != INT4) pairs_as_tiles(x_pairs, rows, w->in_features / 2, scratch->x_tiles);
 #pragma omp parallel num_threads(threads)
         {
-            /* (without memory for them the runs take the exact kernel) */
+            /* int4: the dequantised block's tiles, int8: its 64 rows as bf16, the same size (without
+             * memory for them the runs take the exact kernel) */
             uint32_t *tiles = prompt_runs ? aligned_alloc(64, sizeof(uint32_t) * (size_t)(w->in_features / GROUP * 1024))
                                           : NULL;
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++) {
                 if (w->kind == BF16) {
-                    bf16_block_amx(w, scratch->x_tiles, rows, b, y, w->out_features);
+                    bf16_block_amx(w, (const uint16_t *)w->weight + b * 64 * k, scratch->x_tiles, rows, 0, rows, b, y,
+                                   w->out_features);
                     continue;
                 }
-                if (tiles) dequantise_block(w, b, tiles);
+                if (tiles && w->kind == INT4) dequantise_block(w, b, tiles);
+                if (tiles && w->kind == INT8) int8_block_as_bf16(w, b, (uint16_t *)tiles);
                 int64_t done = 0;
                 for (int64_t r = 0; r < prompt_runs;) { /* (rows never mix: adjacent runs go as one) */
                     const int64_t first = runs->runs[r].first;
                     int64_t end = first + runs->runs[r].count;
                     while (++r < prompt_runs && runs->runs[r].first == end) end += runs->runs[r].count;
-                    int4_rows_amx(w, x_pairs, scratch->sums, done, first - done, b, y, NULL);
-                    int4_rows_amx(w, x_pairs, scratch->sums, first, end - first, b, y, tiles);
+                    quantised_rows_amx(w, x_pairs, scratch->sums, scratch->x_tiles, rows, done, first - done, b, y, NULL);
+                    quantised_rows_amx(w, x_pairs, scratch->sums, scratch->x_tiles, rows, first, end - first, b, y, tiles);
                     done = end;
                 }
-                int4_rows_amx(w, x_pairs, scratch->sums, done, rows - done, b, y, NULL);
+                quantised_rows_amx(w, x_pairs, scratch->sums, scratch->x_tiles, rows, done, rows - done, b, y, NULL);
             }
             free(tiles);
             _tile_release();

@@ -40,14 +40,15 @@ if TYPE_CHECKING:
 # tokens, 2,954 vs 1,123 at 1,024, 2,034 vs 1,006 at 2,048 (`bench/native_step.py --prefill 511 1024
 # 2048`); the cap bounds the per-forward scratch (T × 2I floats, ~50 MB at 4,096 tokens). bf16:
 # 1,656 vs 1,295 at 64, 1,670 vs 1,817 at 127 (`python bench/native_step.py --dtype bf16 --prefill
-# 64 127`, oneDNN's AMX GEMMs). int8 (dot products only) against torch's bf16 GEMMs of the codes
-# (`quantize.INT8_GEMM_MIN_ROWS`): 456 vs 381 at 24, 470 vs 564 at 32 (`--dtype int8 --prefill 16
-# 24 32 47`). float32 has no matrix unit: from a few rows MKL's GEMMs win.
+# 64 127`, oneDNN's AMX GEMMs). int8: prompt runs on tiles as int4's. float32 has no matrix unit:
+# from a few rows MKL's GEMMs win.
 INT4, BF16, FP32, FP32_INPUT_MAJOR, INT8 = 0, 1, 2, 3, 4
-MAX_TOKENS = {INT4: 4096, BF16: 96, INT8: 32, FP32: 8, FP32_INPUT_MAJOR: 8}
+MAX_TOKENS = {INT4: 4096, BF16: 96, INT8: 4096, FP32: 8, FP32_INPUT_MAJOR: 8}
 # Without AMX (AVX512-BF16 dot products, no tile attention) int4 prompts gain nothing from ~128
-# tokens on: 585 vs 587 tokens/s at 127, 505 vs 881 at 511 (the same command's avx512-bf16 column).
-MAX_TOKENS_WITHOUT_AMX = {**MAX_TOKENS, INT4: 128}
+# tokens on: 585 vs 587 tokens/s at 127, 505 vs 881 at 511 (the same command's avx512-bf16 column);
+# int8 against torch's bf16 GEMMs of the codes (`quantize.INT8_GEMM_MIN_ROWS`): 456 vs 381 at 24,
+# 470 vs 564 at 32 (`--dtype int8 --prefill 16 24 32 47`).
+MAX_TOKENS_WITHOUT_AMX = {**MAX_TOKENS, INT4: 128, INT8: 32}
 # The C attention sums a head's output in registers, 16 floats each, 128 dims at a time.
 MAX_HEAD_DIM = 256
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
