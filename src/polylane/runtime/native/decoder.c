@@ -534,15 +534,43 @@ static void pairs_as_tiles(const uint32_t *x_pairs, int64_t rows, int64_t pairs,
             x_tiles[((m / 16) * groups + kk / 16) * 256 + (kk % 16) * 16 + m % 16] = x_pairs[m * pairs + kk];
 }
 
+/* Output n of a dense product from its dot product's lanes: the lane sum, times the row's scale
+ * (int8), plus the bias. */
+static inline float dense_output(const Matrix *w, __m512 acc, int64_t n) {
+    const float sum = _mm512_reduce_add_ps(acc);
+    return (w->kind == INT8 ? sum * ((const float *)w->scales)[n] : sum) + (w->bias != NULL ? w->bias[n] : 0.0f);
+}
+
 /* y[m, n0 : n0 + 4] = x W^T for a bf16, int8 or float32 weight (N, K), with AVX-512: four
- * weight rows × up to four rows of x at a time, each dot product one chain over K then one lane
- * sum, so a row's result does not depend on the others. bf16 and int8 multiply x's bf16 pairs
- * (int8 then times its row's scale). */
+ * weight rows × up to four rows of x at a time (int8: two weight rows × eight rows of x while
+ * eight are left, so that each converted weight vector serves eight rows), each dot product one
+ * chain over K then one lane sum, so a row's result does not depend on the others. bf16 and int8
+ * multiply x's bf16 pairs (int8 then times its row's scale). */
 static void dense_rows_avx(const Matrix *w, const float *x, const uint32_t *x_pairs, int64_t rows, int64_t n0,
                            float *y, int64_t ldy) {
     const int64_t k = w->in_features, int8 = w->kind == INT8, bf16 = w->kind == BF16 || int8;
     const int64_t step = bf16 ? 32 : 16; /* columns per vector */
-    for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+    int64_t m0 = 0;
+    for (; int8 && m0 + 8 <= rows; m0 += 8)
+        for (int o0 = 0; o0 < 4; o0 += 2) {
+            __m512 acc[8][2];
+            for (int m = 0; m < 8; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < k; c += 32) {
+                __m512 wv[2];
+                for (int o = 0; o < 2; o++) {
+                    const int8_t *row = (const int8_t *)w->weight + (n0 + o0 + o) * k + c;
+                    _mm_prefetch((const char *)row + PREFETCH_BYTES, _MM_HINT_T0);
+                    wv[o] = int8_as_bf16(row);
+                }
+                for (int m = 0; m < 8; m++) {
+                    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x_pairs + (m0 + m) * (k / 2) + c / 2);
+                    for (int o = 0; o < 2; o++) acc[m][o] = _mm512_dpbf16_ps(acc[m][o], (__m512bh)wv[o], xv);
+                }
+            }
+            for (int m = 0; m < 8; m++)
+                for (int o = 0; o < 2; o++) y[(m0 + m) * ldy + n0 + o0 + o] = dense_output(w, acc[m][o], n0 + o0 + o);
+        }
+    for (; m0 < rows; m0 += 4) {
         const int64_t count = rows - m0 < 4 ? rows - m0 : 4;
         __m512 acc[4][4];
         for (int m = 0; m < 4; m++)
@@ -567,11 +595,7 @@ static void dense_rows_avx(const Matrix *w, const float *x, const uint32_t *x_pa
             }
         }
         for (int64_t m = 0; m < count; m++)
-            for (int o = 0; o < 4; o++) {
-                const float sum = _mm512_reduce_add_ps(acc[m][o]);
-                y[(m0 + m) * ldy + n0 + o] = (int8 ? sum * ((const float *)w->scales)[n0 + o] : sum) +
-                                             (w->bias != NULL ? w->bias[n0 + o] : 0.0f);
-            }
+            for (int o = 0; o < 4; o++) y[(m0 + m) * ldy + n0 + o] = dense_output(w, acc[m][o], n0 + o);
     }
 }
 
