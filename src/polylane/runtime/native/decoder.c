@@ -19,8 +19,8 @@
  * - BF16: (N, K) bf16, activations rounded to bf16, float32 sums over all of K.
  * - INT8: (N, K) int8 (torch's `_weight_int8pack_mm` layout) and one float32 scale per output row,
  *   w = q * scale: activations rounded to bf16 times q (exact in bf16), float32 sums over all of
- *   K, then the scale; with AVX512-BF16 dot products (int8 a decode step's speed, where AMX's tiles
- *   would first need the block converted), except in prompt runs (below).
+ *   K, then the scale; with AVX512-BF16 dot products (for AMX's tiles each block would first be
+ *   converted, which costs a decode step more than the tiles save), except in prompt runs (below).
  * - FP32 (N, K) and FP32_INPUT_MAJOR (K, N): float32 throughout (AVX-512 FMAs).
  * int4 and bf16 products run on AMX tiles where the CPU has them (up to 16 tokens per tile
  * product), else with AVX512-BF16 dot products; one process always uses one of the two.
