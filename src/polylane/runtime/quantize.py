@@ -10,6 +10,9 @@ activations (PERF.md: the activation dtype decides whether the fast kernel runs)
   columns: w ≈ (q − 8)·scale + zero with q in [0, 15] (int8 where a shape does not pack).
 - int8: `aten._weight_int8pack_mm`, symmetric, one scale per output row: w ≈ q·scale.
 
+From a few dozen rows (prefill) either runs as dense bf16 GEMMs instead: int4 on its dequantised
+weight, int8 on its codes (exact in bf16) with the scales after.
+
 A projection is built on the host in the CPU kernels' layout; `place` moves it to a CUDA device:
 int4 re-packed for `aten._weight_int4pack_mm` (tinygemm, the same (q − 8)·scale + zero with the
 same scales and zeros), int8 as it is, multiplied as (x · qᵀ) · scale in bf16 (q is exact in bf16).
@@ -113,7 +116,7 @@ class QuantizedProjection(nn.Module):
                 y = torch.ops.aten._weight_int4pack_mm(x16, self.qweight, INT4_GROUP, self.scales)
         elif self._dense_rows(x16.shape[0]):
             # many rows (prefill): bf16 slices of the weight and dense GEMMs beat torch's
-            # quantised kernels, which are fast only for a few rows (see DEQUANTIZE_MIN_ROWS)
+            # quantised kernels, which are fast only for a few rows (DEQUANTIZE_MIN_ROWS, INT8_GEMM_MIN_ROWS)
             step = max(64, DEQUANTIZE_BLOCK_ELEMENTS // self.in_features // 64 * 64)
             bounds = [(a, min(a + step, self.out_features)) for a in range(0, self.out_features, step)]
             parts = [self._dense_slice(x16, a, b) for a, b in bounds]
