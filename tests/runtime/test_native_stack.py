@@ -464,3 +464,25 @@ def test_gemma_sliding_layers_see_their_window_as_on_the_torch_path(load_real_mo
         message = f"Gemma {dtype}, {label} ({len(ids)} positions): top-1 {top1:.3f}, mean-abs {mean_abs:.3g}"
         print(message)
         assert top1 >= min_top1 and mean_abs <= max_mean_abs, message
+
+
+@needs_native
+def test_int8_steps_with_many_tokens_outside_prompt_runs_go_to_torch(load_real_model):
+    # int8 decode and verify tokens take the dot products, which torch's GEMMs overtake from
+    # MAX_EXACT_INT8_TOKENS tokens; a prompt run beside them takes the tiles and does not count
+    if native.kernel_name() != "amx":
+        pytest.skip("without AMX every int8 forward of 32+ tokens goes to torch (MAX_TOKENS_WITHOUT_AMX)")
+    model = load_real_model(SMOL, "int8")
+    module = _native(model)
+    limit = native.MAX_EXACT_INT8_TOKENS
+    cache = PagedKVCache(module.config, limit + 16, 16, model.kv_dtype)
+    decode = [SequenceChunk((100 + i,), 0, (i,)) for i in range(limit)]
+    prompt = SequenceChunk(tuple(range(100, 300)), 0, tuple(range(limit, limit + 13)))
+
+    def runs_natively(chunks) -> bool:
+        batch = build_forward_batch(chunks, 16, module.config)
+        return module.native_stack.forward(module, batch, cache) is not None
+
+    assert runs_natively(decode[:-1])
+    assert not runs_natively(decode)
+    assert runs_natively([*decode[:-1], prompt])

@@ -12,7 +12,8 @@ are recorded as torch records them.
 The C code computes each token independently of the others in its batch (see its header), so a
 decode step and a verify pass agree exactly; a prompt chunk of 16+ tokens takes the AMX prompt
 paths by its own length, whatever shares its step. Forwards of more tokens than `max_tokens` go
-to torch, whose dense GEMMs win there.
+to torch, whose dense GEMMs win there, and so do int8 forwards with `max_exact_tokens` or more
+tokens outside prompt runs.
 """
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ MAX_TOKENS = {INT4: 4096, BF16: 96, INT8: 4096, FP32: 8, FP32_INPUT_MAJOR: 8}
 # int8 against torch's bf16 GEMMs of the codes (`quantize.INT8_GEMM_MIN_ROWS`): 456 vs 381 at 24,
 # 470 vs 564 at 32 (`--dtype int8 --prefill 16 24 32 47`).
 MAX_TOKENS_WITHOUT_AMX = {**MAX_TOKENS, INT4: 128, INT8: 32}
+# int8's rows outside prompt runs (decode and verify tokens) take the dot products, which torch's
+# bf16 GEMMs of the codes overtake at about this many (`--dtype int8 --batch 32 40 48 64`, ms per
+# step native vs torch: 65.8 vs 81.1 at 32, 85.5 vs 90.0 at 40, 102.8 vs 95.4 at 48).
+MAX_EXACT_INT8_TOKENS = 44
+# A chunk of this many tokens or more asking for at most one row's logits is a prompt run
+# (decoder.c RUN_ROWS).
+RUN_ROWS = 16
 # The C attention sums a head's output in registers, 16 floats each, 128 dims at a time.
 MAX_HEAD_DIM = 256
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
@@ -218,7 +226,7 @@ def describe(projection: nn.Module, keep: list[torch.Tensor]) -> Matrix:
 
 def matmul(projection: nn.Module, x: torch.Tensor, prompt: bool = False) -> torch.Tensor:
     """x (M, K) float32 times a projection's weight (plus bias) through the C kernels (tests,
-    benches); `prompt`: the rows are one prompt run (decoder.c RUN_ROWS), which on AMX multiplies an
+    benches); `prompt`: the rows are one prompt run (RUN_ROWS), which on AMX multiplies an
     int4 weight rounded to bf16."""
     lib = library()
     if lib is None:
@@ -283,6 +291,7 @@ class NativeStack:
         kinds.add(lm_head.kind)
         limits = MAX_TOKENS if kernel_name() == "amx" else MAX_TOKENS_WITHOUT_AMX
         self.max_tokens = min(limits[kind] for kind in kinds)
+        self.max_exact_tokens = MAX_EXACT_INT8_TOKENS if INT8 in kinds else None
         self._layers = layers
         self._model = Model(
             num_layers=config.num_layers,
@@ -347,11 +356,14 @@ class NativeStack:
         hidden: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Logits (R, vocab) of the batch's logit rows with its K/V written, or None when this
-        batch is for the torch path (`max_tokens` or more tokens, a cache off the CPU or neither
-        bf16 nor float32). With `start_layer` > 0, `hidden` (T, E) is that layer's input and the
-        layers below are not run (a shared band's continuation, `DecoderModel.forward`)."""
+        batch is for the torch path (`max_tokens` or more tokens, int8 with `max_exact_tokens` or
+        more outside prompt runs, a cache off the CPU or neither bf16 nor float32). With
+        `start_layer` > 0, `hidden` (T, E) is that layer's input and the layers below are not run
+        (a shared band's continuation, `DecoderModel.forward`)."""
         tokens = batch.token_ids.shape[0]
         if tokens >= self.max_tokens or cache.dtype not in (torch.bfloat16, torch.float32):
+            return None
+        if self.max_exact_tokens is not None and _exact_tokens(batch) >= self.max_exact_tokens:
             return None
         if cache.keys[0].device.type != "cpu":
             return None
@@ -411,6 +423,12 @@ def _attention_rows(batch: ForwardBatch) -> tuple[np.ndarray, np.ndarray, np.nda
         visible[start:end, chunk.num_cached : chunk.context_len] = new_token_visibility(chunk)
         start = end
     return context, sequence, visible
+
+
+def _exact_tokens(batch: ForwardBatch) -> int:
+    """The batch's tokens outside prompt runs (decoder.c `find_runs`: a chunk of RUN_ROWS tokens or
+    more with at most one logit row)."""
+    return sum(c.num_new for c in batch.chunks if c.num_new < RUN_ROWS or c.logits == "all")
 
 
 def _window(batch: ForwardBatch, visible: np.ndarray, window: int) -> np.ndarray:
