@@ -43,7 +43,8 @@ INT4_GROUP = 32
 DEQUANTIZE_MIN_ROWS = 128
 # int8 the same way from 32 rows, its codes as bf16 (exact) and the row scales after the GEMM:
 # SmolLM2's gate/up (3,072 × 576), ms per call, torch's int8 kernel against the bf16 GEMM: 8 rows
-# 0.18 / 0.32, 16 rows 0.33 / 0.29, 32 rows 0.65 / 0.31, 512 rows 11.5 / 1.2 (2 threads, AMX).
+# 0.22 / 0.29, 16 rows 0.34 / 0.30, 32 rows 0.68 / 0.33, 512 rows 11.2 / 1.18 (2 threads, AMX;
+# `python bench/int8_gemm.py`, which also times the down and QKV shapes).
 INT8_GEMM_MIN_ROWS = 32
 # The weight is dequantised a slice of output rows at a time, each slice's float32 transient under
 # this many elements (16 MiB: below glibc's mmap threshold at run time, so it reuses heap memory).
