@@ -12,13 +12,27 @@ from polylane import catalog
 RUN_SLOW = os.environ.get("POLYLANE_SLOW") == "1"
 
 
+_DESELECTED_SLOW: list[str] = []
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Slow real-model tests are a tier of their own (POLYLANE_SLOW=1): deselected, not skipped, so
+    that a skip always means a missing CPU feature, compiler or GPU; the summary names them."""
     if RUN_SLOW:
         return
-    skip = pytest.mark.skip(reason="slow real-model test: run with POLYLANE_SLOW=1")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+    slow = [item for item in items if "slow" in item.keywords]
+    if slow:
+        items[:] = [item for item in items if "slow" not in item.keywords]
+        config.hook.pytest_deselected(items=slow)
+        _DESELECTED_SLOW.extend(item.nodeid for item in slow)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _DESELECTED_SLOW:
+        terminalreporter.write_line(
+            f"{len(_DESELECTED_SLOW)} slow real-model tests deselected (run them with POLYLANE_SLOW=1): "
+            + ", ".join(_DESELECTED_SLOW)
+        )
 
 
 def fetch_or_skip(name: str) -> catalog.ModelSource:

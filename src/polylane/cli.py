@@ -200,9 +200,27 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+class _VersionAction(argparse.Action):
+    """--version: print `compute_paths.version_text()` and exit (torch is imported only then)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from polylane.runtime.compute_paths import version_text
+
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="polylane", description="Host many models, share the prefill, decode one."
+    )
+    parser.add_argument(
+        "--version",
+        action=_VersionAction,
+        help="the version, torch build and compute path of each dtype here",
     )
     commands = parser.add_subparsers(dest="command", required=True)
 

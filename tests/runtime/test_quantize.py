@@ -1,14 +1,29 @@
 """Quantised twins: int4 (grouped) and int8 (per row) weight-only projections reproduce their
 weights within quantisation error, a quantised model stays close to its bf16 original, and its
-bytes are what it holds."""
+bytes are what it holds.
+
+torch packs int4 weights in a layout that depends on the CPU capability its kernels run at
+(AVX512, AVX2, DEFAULT): every int4 test here also runs in a subprocess at each capability this
+CPU allows (ATEN_CPU_CAPABILITY), so each layout is checked on every machine.
+"""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from polylane.runtime.int4_layout import packing_layout
 from polylane.runtime.quantize import QuantizedProjection, module_bytes, quantize_model
 from tests.runtime.test_spec_distribution import tiny_model
+
+REPOSITORY = Path(__file__).resolve().parents[2]
+# torch's CPU capabilities, lowest first; a CPU runs its own and every one below it
+CAPABILITIES = ("DEFAULT", "AVX2", "AVX512")
 
 
 @pytest.mark.parametrize(("bits", "tolerance"), [(4, 0.08), (8, 0.01)])
@@ -53,15 +68,60 @@ def test_quantized_model_stays_close_to_float32(fmt):
         quantize_model(model, "int2")
 
 
-@pytest.mark.parametrize(("out_features", "in_features"), [(64, 32), (960, 576), (3072, 576), (576, 1536)])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(64, 32), (960, 576), (3072, 576), (576, 1536), (96, 64)]
+)
 def test_int4_unpacking_reads_torchs_cpu_packing(out_features, in_features):
     """The bf16 weight unpacked from torch's packed int4 equals what torch's own kernel multiplies
-    by (its product with the identity), element for element."""
+    by (its product with the identity), element for element, and any whole blocks of rows unpack to
+    those rows."""
     torch.manual_seed(out_features + in_features)
     projection = QuantizedProjection(torch.randn(out_features, in_features), None, 4)
     unpacked = projection.dequantized_bf16()
     assert unpacked.dtype == torch.bfloat16 and unpacked.shape == (out_features, in_features)
     torch.testing.assert_close(unpacked.float(), projection.dequantized(), rtol=0, atol=0)
+    layout = projection.packing_layout
+    if layout is not None and out_features > layout.block_rows:
+        start, stop = layout.block_rows, out_features
+        assert torch.equal(projection.dequantized_bf16(start, stop), unpacked[start:stop])
+
+
+def test_int4_packing_layout_is_found_by_probing():
+    """The probe recognises the packing of this process's torch (a layout, not None), names the
+    capability torch runs at, and reads back codes packed by torch itself."""
+    layout = packing_layout()
+    assert layout is not None, "torch's int4 packing is not of the known kind here"
+    assert layout.capability == torch.backends.cpu.get_cpu_capability()
+    assert sorted(layout.row_at) == list(range(layout.block_rows))
+    codes = torch.randint(0, 16, (4 * layout.block_rows, 96), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    assert torch.equal(layout.unpack(packed, 96, 0, codes.shape[0]).int(), codes)
+
+
+def _capabilities_here() -> list[str]:
+    here = torch.backends.cpu.get_cpu_capability()
+    return list(CAPABILITIES[: CAPABILITIES.index(here) + 1]) if here in CAPABILITIES else []
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_int4_tests_pass_at_every_capability_torch_packs_for(capability):
+    """The int4 tests of this file and of test_device.py, rerun in a process whose torch runs at
+    `capability` and so packs int4 weights in that capability's layout."""
+    if capability not in _capabilities_here():
+        here = torch.backends.cpu.get_cpu_capability()
+        pytest.skip(f"this CPU cannot run torch's {capability} kernels (it runs at most {here})")
+    files = ["tests/runtime/test_quantize.py", "tests/runtime/test_device.py"]
+    selected = ["-k", "int4 and not capability"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files, *selected],
+        cwd=REPOSITORY,
+        env={**os.environ, "ATEN_CPU_CAPABILITY": capability.lower()},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, f"int4 tests at {capability}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}"
+    assert " passed" in done.stdout and "no tests ran" not in done.stdout
 
 
 def test_int4_many_rows_go_through_the_dequantised_weight(monkeypatch):

@@ -7,6 +7,9 @@
   SmolLM2 (the native stack where it runs, 2026-12-05): int8 96.7% top-1, mean 0.25; int4 87.8%,
   mean 0.41 (the GGUF's 4-bit weights are dequantised, then re-quantised in groups of 32 with bf16
   scales).
+- A long prompt (past DEQUANTIZE_MIN_ROWS, where the torch path multiplies by weights unpacked
+  from torch's int4 packing) keeps the same agreement with float32, on the torch path and on the
+  native stack where it runs: unpacking in the wrong layout (as on AVX2 CPUs before) fails it.
 - Speculation stays lossless against the quantised target: the engine serving the int4 model with
   n-gram drafts returns the tokens plain int4 greedy decoding returns, and drafts were accepted.
 """
@@ -34,13 +37,29 @@ TEXT = (
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
 )
 
+# ~300 tokens of varied prose and code (one forward: a prompt chunk as the engine prefills it)
+LONG_TEXT = TEXT + (
+    "Scholars still argue about how quickly literacy spread after the press arrived. Some point to "
+    "the flood of pamphlets during the Reformation; others note that most people learned to read "
+    "from prayer books, almanacs and broadsides rather than from the great folio editions.\n"
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n"
+    "The weather in the mountains changes quickly: a clear morning can turn into a snowstorm by noon, "
+    "so experienced hikers carry a map, a compass, warm layers and enough water for the whole day."
+)
 
-def _all_position_logits(model, ids: list[int]) -> torch.Tensor:
+
+def _all_position_logits(model, ids: list[int], chunk: int | None = None) -> torch.Tensor:
+    """Logits at every position of `ids`, prefilled in one forward or in chunks of `chunk` tokens."""
     blocks = -(-len(ids) // 16)
     cache = PagedKVCache(model.config, blocks, 16, model.dtype)
-    batch = build_forward_batch([SequenceChunk(tuple(ids), 0, tuple(range(blocks)))], 16, model.config)
-    batch.logit_rows = torch.arange(len(ids))
-    return model.module(batch, cache)
+    chunk = chunk or len(ids)
+    parts = []
+    for start in range(0, len(ids), chunk):
+        piece = SequenceChunk(tuple(ids[start : start + chunk]), start, tuple(range(blocks)), logits="all")
+        batch = build_forward_batch([piece], 16, model.config)
+        parts.append(model.module(batch, cache))
+    return torch.cat(parts)
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
@@ -64,6 +83,33 @@ def test_quantised_logits_within_documented_tolerance(load_real_model, dtype):
     assert top1 >= min_top1, message
     assert mean_abs <= max_mean_abs, message
     assert quantised.weight_bytes < reference.weight_bytes / 2, "quantised weights should be far smaller"
+
+
+@pytest.mark.parametrize("path", ["torch", "native"])
+def test_a_long_int4_prompt_agrees_with_float32(load_real_model, path):
+    from polylane.runtime.quantize import DEQUANTIZE_MIN_ROWS
+
+    fetch_or_skip(SMOL)
+    reference = load_real_model(SMOL)
+    quantised = load_real_model(SMOL, "int4")
+    stack = quantised.module.native_stack
+    if path == "native" and stack is None:
+        pytest.skip("the native stack does not run on this CPU (it needs AVX512-BF16 and a C compiler)")
+    ids = reference.tokenizer.encode(LONG_TEXT)
+    assert len(ids) >= max(200, DEQUANTIZE_MIN_ROWS + 1), f"the prompt has {len(ids)} tokens"
+    # on the native stack, in prompt chunks it takes (a CPU without AMX hands 128+ tokens to torch)
+    chunk = stack.max_tokens - 1 if path == "native" else None
+    quantised.module.native_stack = stack if path == "native" else None
+    try:
+        got = _all_position_logits(quantised, ids, chunk)
+    finally:
+        quantised.module.native_stack = stack
+    expected = _all_position_logits(reference, ids)
+    top1 = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    mean_abs = (got - expected).abs().mean().item()
+    message = f"int4 ({path} path) vs fp32, {len(ids)}-token prompt: top1 {top1:.3f}, mean-abs {mean_abs:.2f}"
+    print(message)
+    assert top1 >= INT4_TOP1 and mean_abs <= INT4_MEAN_ABS, message
 
 
 def test_speculation_is_lossless_against_the_int4_target(load_real_model):

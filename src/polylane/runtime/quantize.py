@@ -27,10 +27,13 @@ output exact.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from polylane.runtime.int4_layout import Int4Layout, packing_layout
 from polylane.runtime.layers import Projection, linear
 from polylane.runtime.models.base import DecoderModel
 
@@ -118,7 +121,8 @@ class QuantizedProjection(nn.Module):
         elif self._dense_rows(x16.shape[0]):
             # many rows (prefill): bf16 slices of the weight and dense GEMMs beat torch's
             # quantised kernels, which are fast only for a few rows (DEQUANTIZE_MIN_ROWS, INT8_GEMM_MIN_ROWS)
-            step = max(64, DEQUANTIZE_BLOCK_ELEMENTS // self.in_features // 64 * 64)
+            unit = 64 if self.bits == 8 else math.lcm(64, self.packing_layout.block_rows)  # whole blocks
+            step = max(unit, DEQUANTIZE_BLOCK_ELEMENTS // self.in_features // unit * unit)
             bounds = [(a, min(a + step, self.out_features)) for a in range(0, self.out_features, step)]
             parts = [self._dense_slice(x16, a, b) for a, b in bounds]
             y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
@@ -134,7 +138,7 @@ class QuantizedProjection(nn.Module):
         """Whether `rows` rows go through dense bf16 GEMMs (on the host) instead of the kernel."""
         if self.bits == 8:
             return rows >= INT8_GEMM_MIN_ROWS
-        return rows >= DEQUANTIZE_MIN_ROWS and self.out_features % 64 == 0
+        return rows >= DEQUANTIZE_MIN_ROWS and self.packing_layout is not None
 
     def _dense_slice(self, x16: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """x16 times output rows [start, stop) of the weight, through a dense bf16 GEMM."""
@@ -149,14 +153,8 @@ class QuantizedProjection(nn.Module):
         return self.dequantized_float(start, stop).to(torch.bfloat16)
 
     def dequantized_float(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Rows [start, stop) of the int4 weight (N, K), (q - 8) · scale + zero in float32 (bounds
-        multiples of 64), unpacked from torch's CPU packing (N a multiple of 64).
-
-        `_convert_weight_to_int4pack_for_cpu` stores (N, K/2) bytes that read as (N/64, K/2, 64):
-        byte [b, k // 2, n % 32 + 32 · (k % 2)] holds row 64·b + n % 64 of column k, in its low
-        nibble for n % 64 < 32 and its high nibble otherwise (checked against the packer in
-        tests/runtime/test_quantize.py). A transient copy: nothing is kept between calls.
-        """
+        """Rows [start, stop) of the int4 weight (N, K), (q - 8) · scale + zero in float32, the codes
+        unpacked from torch's CPU packing (see `nibbles`). A transient copy: nothing is kept."""
         stop = self.out_features if stop is None else stop
         n, k = stop - start, self.in_features
         q = self.nibbles(start, stop).view(n, k // INT4_GROUP, INT4_GROUP)
@@ -164,21 +162,29 @@ class QuantizedProjection(nn.Module):
         return ((q.float() - 8) * scales.float() + zeros.float()).view(n, k)
 
     def nibbles(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Rows [start, stop) of the int4 codes q (N, K) in [0, 15], unpacked from the CPU packing
-        (see `dequantized_float`)."""
+        """Rows [start, stop) of the int4 codes q (N, K) in [0, 15], read from torch's CPU packing in
+        the layout this process's torch uses (`runtime.int4_layout`; rows in whole blocks of it).
+        Where that layout is unknown or N is not whole blocks, torch's own kernel gives the codes
+        (its product with the identity at scale 1 and zero 0 is q − 8): exact, but a GEMM."""
         if self.bits != 4 or not self.on_cpu:
             raise ValueError("only a CPU-packed int4 projection unpacks its codes")
         stop = self.out_features if stop is None else stop
-        n, k = stop - start, self.in_features
-        if self.out_features % 64:  # another packing: the kernel itself, scale 1 and zero 0, gives q − 8
-            unit = torch.zeros_like(self.scales)
-            unit[..., 0] = 1
-            eye = torch.eye(k, dtype=torch.bfloat16)
-            codes = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, INT4_GROUP, unit)
-            return (codes.t()[start:stop].float() + 8).to(torch.uint8)
-        packed = self.qweight.view(-1, k // 2, 2, 32)[start // 64 : stop // 64]  # [b, k//2, k%2, n%32]
-        halves = torch.stack([packed & 0xF, packed >> 4], dim=1)  # [b, n // 32 % 2, k // 2, k % 2, n % 32]
-        return halves.permute(0, 1, 4, 2, 3).reshape(n, k)
+        layout = self.packing_layout
+        if layout is not None:
+            return layout.unpack(self.qweight, self.in_features, start, stop)
+        unit = torch.zeros_like(self.scales)
+        unit[..., 0] = 1
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        codes = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.qweight, INT4_GROUP, unit)
+        return (codes.t()[start:stop].float() + 8).to(torch.uint8)
+
+    @property
+    def packing_layout(self) -> Int4Layout | None:
+        """The layout the packed int4 weight is read in; None: ask torch's kernel (see `nibbles`)."""
+        layout = packing_layout()
+        if layout is None or self.out_features % layout.block_rows:
+            return None
+        return layout
 
     def dequantized(self) -> torch.Tensor:
         """The weight (N, K) float32 this projection multiplies by (for tests)."""

@@ -153,6 +153,10 @@ def build_state(config: ServerConfig, *, quiet: bool = False) -> ServerState:
 def serve(config: ServerConfig) -> None:
     import uvicorn
 
+    from polylane.runtime.compute_paths import version_text
+
+    for line in version_text().splitlines():
+        print(f"polylane: {line}", file=sys.stderr, flush=True)
     state = build_state(config)
     first = config.models[0].name
     started = time.perf_counter()

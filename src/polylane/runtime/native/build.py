@@ -2,9 +2,11 @@
 
 What this module owns: turning a C file shipped in this package into a shared library with the
 machine's C compiler (`cc -O3 -march=native -fopenmp`), cached next to the models under a name
-that changes with the source, the compiler and the CPU, and loading it with ctypes. A missing
-compiler or a failed build is not an error: `load_library` returns None (and logs why once) and
-callers keep their torch path. `POLYLANE_NATIVE=0` turns the kernels off.
+that changes with the source, the compiler, the flags and the CPU, and loading it with ctypes. A
+missing compiler or a failed build is not an error: `load_library` returns None (and logs why
+once) and callers keep their torch path. `POLYLANE_NATIVE=0` turns the kernels off;
+`POLYLANE_NATIVE_MARCH=haswell` (any `-march` value) builds for an older instruction set than the
+CPU's, so that one machine can run what another family gets (e.g. an AVX2-only CPU's paths).
 
 The library links the OpenMP runtime by its soname, libgomp.so.1, which torch has already loaded:
 the kernels and torch share one OpenMP thread team (two teams on two cores made every parallel op
@@ -31,8 +33,13 @@ from polylane import catalog
 log = logging.getLogger(__name__)
 
 NATIVE_ENV = "POLYLANE_NATIVE"
+MARCH_ENV = "POLYLANE_NATIVE_MARCH"
 SOURCE_DIR = Path(__file__).parent
-COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+
+def compile_flags() -> tuple[str, ...]:
+    march = os.environ.get(MARCH_ENV, "").strip() or "native"
+    return ("-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 
 def enabled() -> bool:
@@ -57,7 +64,7 @@ def library_path(source: Path, compiler: str) -> Path:
     """Where the library built from `source` by `compiler` on this CPU is cached."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), version, " ".join(COMPILE_FLAGS), _cpu_signature()):
+    for part in (source.read_bytes(), version, " ".join(compile_flags()), _cpu_signature()):
         digest.update(part if isinstance(part, bytes) else part.encode())
     return catalog.cache_dir().parent / "kernels" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
 
@@ -69,7 +76,7 @@ def _build(source: Path, target: Path, compiler: str) -> None:
     os.close(handle)
     try:
         result = subprocess.run(
-            [compiler, *COMPILE_FLAGS, "-o", partial, str(source), "-lm"],
+            [compiler, *compile_flags(), "-o", partial, str(source), "-lm"],
             capture_output=True,
             text=True,
             check=False,

@@ -19,6 +19,7 @@ tokens outside prompt runs.
 from __future__ import annotations
 
 import ctypes
+import logging
 import weakref
 from typing import TYPE_CHECKING
 
@@ -27,10 +28,13 @@ import torch
 from torch import nn
 
 from polylane.runtime.batch import ForwardBatch, new_token_visibility
+from polylane.runtime.int4_layout import packing_layout
 from polylane.runtime.kv_cache import PagedKVCache
 from polylane.runtime.layers import Projection
 from polylane.runtime.model_config import GLOBAL, SLIDING, ModelConfig
 from polylane.runtime.native.build import load_library
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from polylane.runtime.models.base import DecoderModel
@@ -217,11 +221,28 @@ def describe(projection: nn.Module, keep: list[torch.Tensor]) -> Matrix:
         if projection.bits == 8:  # (N, K) int8 and a float32 scale per output row
             kind, scales = INT8, projection.scales.float().contiguous()
         else:
+            if (problem := int4_packing_problem()) is not None:
+                raise ValueError(problem)
             kind, scales = INT4, projection.scales.contiguous()
         return _described(kind, qweight, scales, bias, projection.in_features, projection.out_features, keep)
     if isinstance(projection, Projection):
         return _weight_matrix(projection.weight, projection.bias, projection.input_major, keep)
     raise ValueError(f"no native kernel for {type(projection).__name__}")
+
+
+# The int4 packing decoder.c reads: torch's AVX512 layout, 64-row blocks whose byte j of a column
+# holds row j (low nibble) and row j + 32 (high nibble).
+C_INT4_ROW_AT = tuple(row for j in range(32) for row in (j, j + 32))
+
+
+def int4_packing_problem() -> str | None:
+    """Why int4 weights packed by this process's torch cannot go to decoder.c (torch packs another
+    layout where its kernels were dispatched for AVX2 or none, `runtime.int4_layout`), or None."""
+    layout = packing_layout()
+    if layout is not None and layout.block_rows == 64 and layout.row_at == C_INT4_ROW_AT:
+        return None
+    found = "an unknown layout" if layout is None else f"the {layout.name} layout"
+    return f"torch packs int4 weights in {found} here; the native kernels read AVX512's"
 
 
 def matmul(projection: nn.Module, x: torch.Tensor, prompt: bool = False) -> torch.Tensor:
@@ -330,7 +351,12 @@ class NativeStack:
             return None
         try:
             return cls(lib, model)
-        except ValueError:  # a projection no kernel takes (odd shapes): torch runs it
+        except ValueError as error:  # a projection no kernel takes (odd shapes, packing): torch runs it
+            log.info(
+                "the native stack does not run this %s model, torch does: %s",
+                model.config.architecture,
+                error,
+            )
             return None
 
     def _bind(self, cache: PagedKVCache) -> None:

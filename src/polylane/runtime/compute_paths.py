@@ -1,0 +1,86 @@
+"""Which compute path each weight dtype gets on this machine, said in a few lines.
+
+What this module owns: the text `polylane --version` prints and the server logs at start — the
+polylane version, the torch build and the CPU capability its kernels run at, the CPU's relevant
+instruction sets, and per dtype either the native stack (with its matrix kernel) or torch, with
+the reason the native stack does not run where it does not. It decides nothing: the native stack
+(`runtime/native/stack.py`) and torch make the choice at load; this asks them the same questions.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+from pathlib import Path
+
+import torch
+
+from polylane.runtime.native import build
+from polylane.runtime.native import stack as native
+from polylane.types import WEIGHT_DTYPES
+
+# CPU flags that decide a path (/proc/cpuinfo spelling)
+RELEVANT_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512vbmi", "amx_tile")
+
+
+def cpu_description() -> str:
+    """'MODEL NAME (flags: …; without: …)' from /proc/cpuinfo, or the platform's processor name."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    present = [flag for flag in RELEVANT_FLAGS if flag in flags]
+    absent = [flag for flag in RELEVANT_FLAGS if flag not in flags]
+    described = f"flags {' '.join(present) or 'none of ' + ' '.join(RELEVANT_FLAGS)}"
+    if absent and present:
+        described += f"; without {' '.join(absent)}"
+    return f"{model or platform.machine()} ({described})"
+
+
+def native_unavailable_reason() -> str | None:
+    """Why the native stack cannot run here, or None when it can."""
+    if not build.enabled():
+        return f"the native stack is turned off ({build.NATIVE_ENV}=0)"
+    if native.library() is not None:
+        return None
+    if build.load_library("decoder") is None:
+        return "the native stack has no C compiler, or its build failed (see the log)"
+    march = next(flag for flag in build.compile_flags() if flag.startswith("-march="))
+    return f"the native stack needs AVX512-BF16 and AVX512-VBMI, which {march} lacks"
+
+
+def dtype_paths() -> dict[str, str]:
+    """dtype → "native (KERNEL)" or "torch (CAPABILITY)" (+ why not native)."""
+    torch_path = f"torch ({torch.backends.cpu.get_cpu_capability()})"
+    reason = native_unavailable_reason()
+    if reason is not None:
+        return {dtype: f"{torch_path}: {reason}" for dtype in WEIGHT_DTYPES}
+    kernel = native.kernel_name()
+    paths = {dtype: f"native ({kernel})" for dtype in WEIGHT_DTYPES}
+    packing = native.int4_packing_problem()
+    if packing is not None:
+        paths["int4"] = f"{torch_path}: {packing}"
+    return paths
+
+
+def version_text() -> str:
+    """The block `polylane --version` prints and the server logs at start."""
+    try:
+        version = importlib.metadata.version("polylane")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown (not installed)"
+    cuda = torch.version.cuda or "none"
+    lines = [
+        f"polylane {version}",
+        f"torch {torch.__version__} (CPU kernels: {torch.backends.cpu.get_cpu_capability()}; CUDA {cuda}; "
+        f"{torch.get_num_threads()} threads)",
+        f"CPU: {cpu_description()}",
+        "compute paths on this CPU:",
+        *(f"  {dtype:5} {path}" for dtype, path in dtype_paths().items()),
+    ]
+    return "\n".join(lines)
+
+
+__all__ = ["cpu_description", "dtype_paths", "native_unavailable_reason", "version_text"]
