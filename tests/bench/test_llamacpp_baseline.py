@@ -1,6 +1,6 @@
 """`polylane bench single --baseline llama.cpp` on SmolLM2's GGUF at tiny size: llama.cpp's
 bindings serve every request of every phase with the tokens asked for, beside polylane at int4.
-Skipped where llama-cpp-python is not installed (`pip install 'polylane[llamacpp]'`)."""
+The test command installs it (`scripts/install-llamacpp`); skipped where it is not installed.
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from tests.bench.test_smoke import bench
 
-pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (polylane[llamacpp])")
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (bash scripts/install-llamacpp)")
 
 
 def test_single_against_llama_cpp(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
