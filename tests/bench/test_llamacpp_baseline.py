@@ -1,6 +1,6 @@
 """`polylane bench single --baseline llama.cpp` on SmolLM2's GGUF at tiny size: llama.cpp's
 bindings serve every request of every phase with the tokens asked for, beside polylane at int4.
-The test command installs it (`scripts/install-llamacpp`); skipped where it is not installed.
+The test command installs it (`scripts/install-llamacpp`); skipped where it is not installed."""
 
 from __future__ import annotations
 
