@@ -158,7 +158,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from polylane.server.app import serve
 
     file_data = server_config.load_config_file(args.config) if args.config else {}
-    unknown = set(file_data) - {"budget", "api_key", "host", "port", "lane_policy", "models", "device"}
+    known = {"budget", "api_key", "host", "port", "lane_policy", "models", "device", "threads"}
+    unknown = set(file_data) - known
     if unknown:
         raise server_config.ConfigError(f"{args.config}: unknown settings {sorted(unknown)}")
     device_name = args.device or str(file_data.get("device", "auto"))
@@ -188,6 +189,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         port=args.port or int(file_data.get("port", 8000)),
         api_key=args.api_key or file_data.get("api_key") or os.environ.get("POLYLANE_API_KEY") or None,
         lane_policy=args.lane_policy or str(file_data.get("lane_policy", "throughput")),
+        threads=server_config.parse_threads(args.threads or file_data.get("threads", 0)),
     )
     if args.ray:
         try:
@@ -233,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--budget", help="memory budget: bytes, a size like 6GiB, or auto (half of free RAM or GPU memory)"
     )
     serve.add_argument("--device", help=DEVICE_HELP)
+    serve.add_argument(
+        "--threads",
+        help="compute threads: auto (default) uses every core while the machine is idle and one fewer "
+        "per core other processes keep busy; N fixes N",
+    )
     serve.add_argument("--pin", action="append", help="never evict this model for room (repeatable)")
     serve.add_argument(
         "--dtype",

@@ -31,6 +31,7 @@ from polylane.policy.residency import NoRoomError, ResidencyError
 from polylane.policy.scheduler import Scheduler, SchedulerConfig
 from polylane.policy.spec_control import SpeculationConfig
 from polylane.policy.stop_strings import StopStringMatcher
+from polylane.runtime.cpu_load import ComputeThreads
 from polylane.runtime.detokenizer import IncrementalDetokenizer
 from polylane.runtime.digests import cached_digest
 from polylane.runtime.load_thread import TransientWorker
@@ -85,6 +86,9 @@ class EngineConfig:
     # submit is still tokenising), at most ARRIVAL_WAIT_S: a burst of clients then prefills in one
     # step rather than as a first request and then the rest (0: start at once).
     arrival_quiet_s: float = 0.002
+    # Compute threads (torch's and the native stack's): 0 adapts to the machine, every core while it
+    # is idle and fewer while other processes keep cores busy (`policy/threads.py`); N fixes N.
+    threads: int = 0
 
 
 @dataclass(frozen=True)
@@ -269,6 +273,7 @@ class Engine:
         self.runner = Runner()
         self.speculation = SpeculationSetup(self.manager, self.runner)
         self.stats_recorder = StatsRecorder()
+        self.compute_threads = ComputeThreads(config.threads)
         self._models: dict[str, ServedModel] = {}
         self._outputs: dict[int, _Output] = {}
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -434,6 +439,7 @@ class Engine:
                 self._drain_inbox()
                 plan = self.scheduler.schedule()
                 if plan.is_idle:
+                    self.compute_threads.idle()
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     self._let_submissions_land()
@@ -444,6 +450,7 @@ class Engine:
                 self._deliver(plan, result)
                 self.stats_recorder.step(plan, result, time.perf_counter() - started)
                 self.scheduler.update(plan, result)
+                self.compute_threads.step()
         except Exception as error:  # a bug in the loop: fail every request loudly, never hang
             log.exception("engine loop failed")
             self.error = f"engine loop failed: {type(error).__name__}: {error}"
@@ -621,6 +628,7 @@ class Engine:
             self._end(request_id, reason, message, wakes)
         _wake_loops(wakes)
         self.runner.detach_all()
+        self.compute_threads.restore()
 
     def _prefix_stats(self) -> dict[str, Any]:
         out = {}

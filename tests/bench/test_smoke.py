@@ -194,3 +194,31 @@ def test_single_against_a_running_server(capsys: pytest.CaptureFixture[str], tmp
     engine = polylane["summary"]["batch-2"]["engine"]
     assert engine is not None, "counters come from the server's /metrics"
     assert engine["decode_steps"] >= 3 and engine["max_concurrent_decode"] == 1
+
+
+def test_single_under_a_busy_neighbour_runs_every_phase_twice(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`--cpu-hog 1`: each phase again while a busy-loop process spins (other prompts, nothing
+    cached from the idle twin), the idle/loaded block per system, and no spinner left behind."""
+    import psutil
+
+    results, last = bench(
+        capsys, tmp_path, "single", "--requests", "1", "--max-tokens", "4", "--prompt-tokens", "64",
+        "--batch", "2", "--baseline", "none", "--cpu-hog", "1",
+    )  # fmt: skip
+    names = [p["name"] for p in results["phases"]]
+    assert names == ["prefill", "prefill+hog", "decode", "decode+hog", "batch-2", "batch-2+hog"]
+    assert [p["primary_metric"] for p in results["phases"]][:2] == ["prefill_tokens_per_s"] * 2
+    summary = results["systems"]["polylane"]["summary"]
+    assert summary["decode+hog"]["output_tokens"] == 4 and summary["batch-2+hog"]["output_tokens"] == 8
+    assert summary["prefill+hog"]["cached_tokens"] == 0, "the loaded twin reused the idle phase's prompt"
+    block = results["cpu_hog"]
+    assert set(block) == {"prefill+hog", "decode+hog", "batch-2+hog"}
+    row = block["decode+hog"]["polylane"]
+    assert row["metric"] == "stream_decode_tokens_per_s" and row["kept"] > 0
+    assert row["kept"] == pytest.approx(row["loaded"] / row["idle"])
+    assert last["cpu_hog"]["decode+hog"]["polylane"]["kept"] == row["kept"]
+    assert "busy-loop process" in (tmp_path / "results.md").read_text()
+    commands = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
+    assert not [c for c in commands if "while True" in c], "a busy-loop process outlived the bench"

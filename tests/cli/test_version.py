@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from polylane.runtime.compute_paths import native_unavailable_reason
 from polylane.runtime.native import stack as native
 from polylane.types import WEIGHT_DTYPES
 
@@ -37,6 +38,7 @@ def test_version_names_the_build_and_each_dtypes_path() -> None:
     assert text.startswith(f"polylane {importlib.metadata.version('polylane')}\n")
     assert f"torch {torch.__version__} (CPU kernels: {torch.backends.cpu.get_cpu_capability()}" in text
     assert "\nCPU: " in text
+    assert "\nthreads: adaptive, " in text and "serve --threads N fixes N" in text
     paths = _paths(text)
     assert set(paths) == set(WEIGHT_DTYPES), text
     kernel = native.kernel_name()
@@ -54,7 +56,7 @@ def test_without_the_native_stack_every_dtype_says_torch_and_why() -> None:
 
 def test_int4_packed_for_another_capability_runs_on_torch_and_says_so() -> None:
     if native.kernel_name() is None:
-        pytest.skip("the native stack does not run on this CPU (it needs AVX512-BF16 and a C compiler)")
+        pytest.skip(f"the native stack does not run here: {native_unavailable_reason()}")
     paths = _paths(_version(ATEN_CPU_CAPABILITY="default"))
     assert paths["int4"].startswith("torch (DEFAULT)") and "layout" in paths["int4"], paths
     assert paths["int8"].startswith("native ("), paths

@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from polylane.engine import Engine, EngineConfig, RequestTooLongError, UnknownModelError
 from polylane.policy.scheduler import SchedulerConfig
@@ -80,7 +81,11 @@ def test_twelve_requests_over_three_models_under_a_two_model_budget(record_prope
     budget = sizes[GEMMA] + sizes[QWEN] + 4 * 2**20  # any two fit, never all three
     assert budget < sum(sizes.values())
     max_tokens = 10
-    config = EngineConfig(budget_bytes=budget, scheduler=SchedulerConfig(lane_policy="throughput", quantum=2))
+    config = EngineConfig(
+        budget_bytes=budget,
+        scheduler=SchedulerConfig(lane_policy="throughput", quantum=2),
+        threads=torch.get_num_threads(),  # outputs are compared exactly: no thread change mid-run
+    )
     with Engine(config) as engine:
         for name in (SMOL, GEMMA, QWEN):
             engine.add_model(name, dtype=DTYPE, kv_tokens=KV_TOKENS)
@@ -149,7 +154,9 @@ def test_aborting_half_mid_stream_frees_their_blocks_and_the_rest_finish():
 
 
 def test_preemption_when_kv_runs_out_loses_nothing():
-    config = EngineConfig(budget_bytes=4 * 2**30, scheduler=SchedulerConfig(max_step_tokens=64))
+    config = EngineConfig(
+        budget_bytes=4 * 2**30, scheduler=SchedulerConfig(max_step_tokens=64), threads=torch.get_num_threads()
+    )
     with Engine(config) as engine:
         engine.add_model(SMOL, dtype=DTYPE, kv_tokens=96)  # 6 blocks of 16 tokens
         params = SamplingParams(max_tokens=40)

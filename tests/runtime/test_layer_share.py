@@ -233,7 +233,7 @@ def test_engine_consumer_reuses_provider_prefix(base, sibling, sibling_path) -> 
     prompt, longer = _prompts(base)
     _, cold_tokens = _cold(sibling, longer)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    with Engine(EngineConfig(budget_bytes=4 << 30)) as engine:
+    with Engine(EngineConfig(budget_bytes=4 << 30, threads=torch.get_num_threads())) as engine:
         engine.add_model("smol", BASE, kv_tokens=1024)
         engine.add_model("smol-top", str(sibling_path), kv_tokens=1024)
         engine.generate("smol", list(prompt), SamplingParams(max_tokens=1))

@@ -21,6 +21,7 @@ import torch
 
 from polylane.engine import Engine, EngineConfig
 from polylane.runtime.batch import build_forward_batch
+from polylane.runtime.compute_paths import why_not_native
 from polylane.runtime.generate import GenerationRequest, Generator
 from polylane.runtime.kv_cache import PagedKVCache
 from polylane.types import SamplingParams, SequenceChunk
@@ -94,7 +95,7 @@ def test_a_long_int4_prompt_agrees_with_float32(load_real_model, path):
     quantised = load_real_model(SMOL, "int4")
     stack = quantised.module.native_stack
     if path == "native" and stack is None:
-        pytest.skip("the native stack does not run on this CPU (it needs AVX512-BF16 and a C compiler)")
+        pytest.skip(f"the native stack does not run this model here: {why_not_native()}")
     ids = reference.tokenizer.encode(LONG_TEXT)
     assert len(ids) >= max(200, DEQUANTIZE_MIN_ROWS + 1), f"the prompt has {len(ids)} tokens"
     # on the native stack, in prompt chunks it takes (a CPU without AMX hands 128+ tokens to torch)
@@ -125,7 +126,7 @@ def test_speculation_is_lossless_against_the_int4_target(load_real_model):
     plain = [generator.generate([GenerationRequest(tuple(p), params)])[0].token_ids for p in prompts]
 
     speculation = {"drafters": ["ngram"], "adaptive": False, "max_draft_tokens": 4}
-    with Engine(EngineConfig(budget_bytes=2 * 2**30)) as engine:
+    with Engine(EngineConfig(budget_bytes=2 * 2**30, threads=torch.get_num_threads())) as engine:
         engine.add_model(SMOL, dtype="int4", kv_tokens=1024, speculation=speculation)
         handles = [engine.submit(SMOL, p, params=params) for p in prompts]
         outputs = [h.result(timeout=300).token_ids for h in handles]

@@ -5,6 +5,7 @@ eviction series and the lane invariant (max concurrent decode 1)."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -207,4 +208,9 @@ def test_metrics(http, live):
     assert _value(evictions, "polylane_evictions_total", cause="explicit") >= 2
     assert _value(evictions, "polylane_evictions_total", cause="budget") >= 1
     assert _value(families["polylane_max_concurrent_decode"], "polylane_max_concurrent_decode") == 1
+    threads = _value(families["polylane_compute_threads"], "polylane_compute_threads")
+    ceiling = _value(families["polylane_compute_threads_max"], "polylane_compute_threads_max")
+    assert 1 <= threads <= ceiling <= len(os.sched_getaffinity(0))
+    assert _value(families["polylane_other_cpu_load"], "polylane_other_cpu_load") >= 0
+    assert _value(families["polylane_process_cpu_seconds"], "polylane_process_cpu_seconds_total") > 0
     assert all(s.name.startswith("polylane_") for samples in families.values() for s in samples)

@@ -115,7 +115,21 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         choices=WEIGHT_DTYPES,
         help="weight dtype, every system (transformers runs int8/int4 at bf16: it has no such CPU kernels)",
     )
-    bench.add_argument("--threads", type=int, default=0, help="torch threads per process (0: default)")
+    bench.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="compute threads per process (0: polylane adapts to the machine's load, the others take "
+        "torch's default)",
+    )
+    bench.add_argument(
+        "--cpu-hog",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run every phase twice, idle and while N busy-loop processes keep cores busy (started "
+        "and stopped by the bench), and report how much of its idle speed each system keeps",
+    )
     bench.add_argument("--budget", default="64GiB", help="polylane's memory budget (bytes, 6GiB, auto)")
     bench.add_argument(
         "--device",
@@ -218,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
         prefixes=args.prefixes,
         categories=tuple(args.categories or SPEC_CATEGORIES),
         cross_model=cross_model,
+        cpu_hog=args.cpu_hog,
     )
     settings = SystemSettings(
         models=models,

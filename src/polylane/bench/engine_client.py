@@ -47,6 +47,7 @@ class EngineSetup:
     lane_policy: str = "throughput"
     prefix_cache: bool = True
     device: str = "auto"  # where the engine's models run (`runtime.device`)
+    threads: int = 0  # compute threads (0: adapt to the machine's load, `EngineConfig.threads`)
     # The first model's speculation, as `Engine.add_model(speculation=...)` takes it (JSON-able:
     # True, drafter names, or a dict of `SpeculationConfig` fields); None: no speculation.
     speculation: Any = None
@@ -76,7 +77,10 @@ def open_engine(setup: EngineSetup) -> Engine:
     with every drafter resident), so that no timed request pays a load or a first-call cost."""
     manager = ResidencyManager(setup.budget_bytes, prefix_cache=setup.prefix_cache, device=setup.device)
     config = EngineConfig(
-        setup.budget_bytes, scheduler=SchedulerConfig(lane_policy=setup.lane_policy), device=setup.device
+        setup.budget_bytes,
+        scheduler=SchedulerConfig(lane_policy=setup.lane_policy),
+        device=setup.device,
+        threads=setup.threads,
     )
     engine = Engine(config, manager=manager)
     try:

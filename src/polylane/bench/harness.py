@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polylane.bench import metrics, workloads
+from polylane.bench.cpu_hog import busy_loops
 from polylane.bench.systems import BASELINES, SYSTEMS, VARIANTS, SystemSettings, make_system
 
 SCHEMA_ID = "polylane-bench/1"
@@ -44,6 +45,7 @@ def primary_metric(phase: str, workload: str = "", cross_model: bool = False) ->
         return "stream_decode_tokens_per_s"
     if cross_model:
         return "ttft_p50_s"
+    phase = workloads.idle_phase_name(phase)
     key = "batch" if phase.startswith("batch-") else phase
     return PRIMARY_METRIC.get(key, "throughput_tokens_per_s")
 
@@ -107,7 +109,8 @@ def run(config: BenchConfig) -> dict[str, Any]:
                     phases: dict[str, Any] = {}
                     for phase in workload.phases:
                         bar.set_description(f"repeat {repeat + 1}/{config.repeats} {name}: {phase.name}")
-                        result = system.run(phase, lambda: bar.update(1))
+                        with busy_loops(phase.cpu_hog):
+                            result = system.run(phase, lambda: bar.update(1))
                         phases[phase.name] = metrics.summarise(result.timelines, result.engine)
                         last_timelines[name][phase.name] = [t.to_dict() for t in result.timelines]
                 finally:
@@ -175,6 +178,7 @@ def assemble(
             "speculation": config.settings.speculation,
             "categories": list(options.categories),
             "cross_model": options.cross_model,
+            "cpu_hog": options.cpu_hog,
             "url": config.url,
             "baselines": list(config.baselines),
             "variants": list(config.variants),
@@ -192,6 +196,8 @@ def assemble(
     }
     if options.cross_model:
         document["cross_model"] = cross_model(summary, phase_names)
+    if options.cpu_hog:
+        document["cpu_hog"] = cpu_hog(summary, phase_names, config.workload)
     return document
 
 
@@ -234,6 +240,8 @@ def rebuild(results: dict[str, Any]) -> dict[str, Any]:
     results["speculation"] = speculation(summary, phase_names, runs)
     if results["settings"].get("cross_model"):
         results["cross_model"] = cross_model(summary, phase_names)
+    if results["settings"].get("cpu_hog"):
+        results["cpu_hog"] = cpu_hog(summary, phase_names, results["workload"])
     return results
 
 
@@ -290,6 +298,29 @@ def speculation(
             "tokens_per_verify": per_system["polylane"]["tokens_per_verify"],
             "speedup": speedups("polylane", phase, [o for o in summary if o != "polylane"]),
             "systems": per_system,
+        }
+    return out
+
+
+def cpu_hog(summary: dict[str, Any], phases: Sequence[str], workload: str) -> dict[str, Any]:
+    """Per phase run under busy-loop processes (`+hog`) and per system: the phase's primary
+    metric idle and under load, and `kept` = loaded ÷ idle (higher-is-better metrics; for a
+    lower-is-better one, idle ÷ loaded), so 1.0 means the neighbour cost nothing."""
+    out: dict[str, Any] = {}
+    for phase in phases:
+        idle = workloads.idle_phase_name(phase)
+        if idle == phase or idle not in phases:
+            continue
+        key = primary_metric(phase, workload)
+        better = dict(metrics.RATIO_METRICS).get(key, "higher")
+        out[phase] = {
+            name: {
+                "metric": key,
+                "idle": system[idle].get(key),
+                "loaded": system[phase].get(key),
+                "kept": metrics.ratio(system[phase].get(key), system[idle].get(key), better),
+            }
+            for name, system in summary.items()
         }
     return out
 

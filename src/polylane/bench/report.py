@@ -187,6 +187,8 @@ def markdown(results: dict[str, Any]) -> str:
         lines += speculation_markdown(results)
     if results.get("cross_model"):
         lines += cross_model_markdown(results)
+    if results.get("cpu_hog"):
+        lines += cpu_hog_markdown(results)
     lines += ["", "Plots: " + ", ".join(f"[{p}]({p})" for p in PLOTS), ""]
     return "\n".join(lines)
 
@@ -256,6 +258,32 @@ def speculation_markdown(results: dict[str, Any]) -> list[str]:
         "Acceptance = accepted ÷ drafted tokens; tokens per verify = tokens a verify pass yields (the "
         "bonus or recovered token included); — where the engine reported no speculation (none "
         "configured, or no drafter for the target).",
+    ]
+    return lines
+
+
+def cpu_hog_markdown(results: dict[str, Any]) -> list[str]:
+    """`--cpu-hog N`: per phase and system, the primary metric idle and with N busy-loop processes."""
+    hogs = results["settings"]["cpu_hog"]
+    cpus = results["environment"].get("cpu_count")
+    lines = [
+        "",
+        f"## With {hogs} busy-loop process(es) running" + (f" ({cpus} CPUs)" if cpus else ""),
+        "",
+        "| phase | system | metric | idle | loaded | kept |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for phase, per_system in results["cpu_hog"].items():
+        for name, row in per_system.items():
+            metric = row["metric"]
+            lines.append(
+                f"| {phase} | {name} | {LABELS.get(metric, metric)} | {_number(row['idle'], 1)} | "
+                f"{_number(row['loaded'], 1)} | {_ratio(row['kept'])} |"
+            )
+    lines += [
+        "",
+        "Each phase ran twice in every repeat, idle and then (other prompts, same shape) while the "
+        "bench kept busy-loop processes spinning; kept = loaded ÷ idle (1.00×: the neighbour cost nothing).",
     ]
     return lines
 
@@ -338,6 +366,7 @@ def final_line(results: dict[str, Any], out: Path) -> str:
         "ratios": ratios,
         "speculation": results["speculation"],
         **({"cross_model": results["cross_model"]} if results.get("cross_model") else {}),
+        **({"cpu_hog": results["cpu_hog"]} if results.get("cpu_hog") else {}),
         "load_average": [
             (results["environment"]["load_average_before"] or [None])[0],
             (results["environment"]["load_average_after"] or [None])[0],

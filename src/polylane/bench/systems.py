@@ -80,7 +80,7 @@ class SystemSettings:
     budget_bytes: int = 64 * 2**30
     kv_tokens: int = 2048
     lane_policy: str = "throughput"
-    threads: int = 0  # torch threads per process (0: torch's default)
+    threads: int = 0  # compute threads per process (0: polylane adapts to the load, others torch's default)
     device: str = "auto"  # where polylane's engines run (`runtime.device`)
     drafter: str | None = None  # transformers-assisted: the assistant model's source
     # polylane's speculation for the first model, as `Engine.add_model(speculation=...)` takes it

@@ -58,7 +58,7 @@ def _serve(protocol: TextIO) -> None:
         raise ValueError(f"expected a start command, got {setup!r}")
     import torch
 
-    if setup.get("threads"):
+    if setup.get("threads") and setup["kind"] != "engine":  # an engine sets its own (EngineConfig.threads)
         torch.set_num_threads(int(setup["threads"]))
     models = tuple((name, source) for name, source in setup["models"])
     started = time.perf_counter()
@@ -103,6 +103,7 @@ class _EngineSystem:
                 prefix_cache=bool(setup["prefix_cache"]),
                 speculation=setup.get("speculation"),
                 device=setup.get("device", "auto"),
+                threads=int(setup.get("threads") or 0),
             )
         )
         self.client = EngineClient(self.engine)

@@ -118,6 +118,7 @@ class Phase:
     requests: tuple[BenchRequest, ...]
     concurrency: int = 0
     description: str = ""
+    cpu_hog: int = 0  # busy-loop processes the harness keeps running while this phase runs
 
     @property
     def models(self) -> list[str]:
@@ -138,12 +139,15 @@ class Phase:
             "concurrency": self.concurrency,
             "description": self.description,
             "requests": [r.to_dict() for r in self.requests],
+            "cpu_hog": self.cpu_hog,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Phase:
         requests = tuple(BenchRequest.from_dict(r) for r in data["requests"])
-        return cls(data["name"], requests, data["concurrency"], data.get("description", ""))
+        return cls(
+            data["name"], requests, data["concurrency"], data.get("description", ""), data.get("cpu_hog", 0)
+        )
 
 
 @dataclass(frozen=True)
@@ -176,6 +180,7 @@ class WorkloadOptions:
     prefixes: int = 3  # shared-prefix: distinct system prompts
     categories: tuple[str, ...] = SPEC_CATEGORIES  # spec: one phase per prompt category
     cross_model: bool = False  # shared-prefix: across models (first provider, others consumers)
+    cpu_hog: int = 0  # >0: every phase again, under that many busy-loop processes (HOG_SUFFIX)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -192,6 +197,8 @@ class WorkloadOptions:
         unknown = [c for c in self.categories if c not in PROMPT_CATEGORIES]
         if unknown or not self.categories:
             raise ValueError(f"categories must be among {', '.join(PROMPT_CATEGORIES)}, got {unknown}")
+        if self.cpu_hog < 0:
+            raise ValueError(f"cpu_hog must be >= 0, got {self.cpu_hog}")
         if self.cross_model and len(self.models) < 2:
             raise ValueError("cross-model shared-prefix needs a provider and at least one consumer model")
 
@@ -218,6 +225,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "spec": {"requests": 4, "max_tokens": 64, "concurrency": 1, "rate": 0.0},
     "cross-model": {"requests": 3, "max_tokens": 1, "concurrency": 1, "rate": 0.0},
 }
+
+
+# `--cpu-hog`: the twin of each phase, run while busy-loop processes keep cores busy
+HOG_SUFFIX = "+hog"
+HOG_REPEAT_OFFSET = 1_000_000  # the twins' prompts are those of another repeat (other reference tags)
 
 
 def zipf_weights(count: int, s: float) -> list[float]:
@@ -250,7 +262,27 @@ def build(name: str, options: WorkloadOptions, repeat: int = 0) -> Workload:
     options = options.resolved(name)
     rng = random.Random(f"{name}:{options.seed}:{repeat}")
     builder = {"single": _single, "mix": _mix, "shared-prefix": _shared_prefix, "spec": _spec}[name]
-    return Workload(name, builder(options, rng, repeat), options)
+    phases = builder(options, rng, repeat)
+    if options.cpu_hog:
+        # each phase then its twin under load, with other prompts (no prefix cached by the first)
+        busy_rng = random.Random(f"{name}:{options.seed}:{repeat}{HOG_SUFFIX}")
+        busy = builder(options, busy_rng, HOG_REPEAT_OFFSET + repeat)
+        phases = tuple(
+            phase
+            for idle, twin in zip(phases, busy, strict=True)
+            for phase in (idle, replace(
+                twin,
+                name=idle.name + HOG_SUFFIX,
+                cpu_hog=options.cpu_hog,
+                description=f"{idle.description} — with {options.cpu_hog} busy-loop process(es) running",
+            ))
+        )  # fmt: skip
+    return Workload(name, phases, options)
+
+
+def idle_phase_name(name: str) -> str:
+    """The phase a `+hog` twin repeats ("decode+hog" → "decode"); other names unchanged."""
+    return name.removesuffix(HOG_SUFFIX)
 
 
 def _user(options: WorkloadOptions, repeat: int, index: int, text: str) -> str:

@@ -62,6 +62,34 @@ class ForwardBatch:
     config: ModelConfig = field(repr=False)
     device: torch.device | str = "cpu"
 
+    def select(self, chunk_indexes: Sequence[int]) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor]:
+        """The forward of only the chunks `chunk_indexes` (in that order): (sub-batch, the flat rows
+        of this batch its tokens are, the rows of this batch's logits its logit rows are). Logit rows
+        are kept as this batch has them (also when set by hand)."""
+        starts = np.cumsum([0, *(c.num_new for c in self.chunks)])
+        token_rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in chunk_indexes])
+        new_index = np.full(int(starts[-1]), -1, dtype=np.int64)
+        new_index[token_rows] = np.arange(len(token_rows))
+        logit_rows = self.logit_rows.cpu().numpy()
+        kept = np.flatnonzero(new_index[logit_rows] >= 0)  # (R',) indexes into this batch's logit rows
+
+        def rows(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(values)).to(self.device)
+
+        tokens = rows(token_rows)
+        sub = ForwardBatch(
+            token_ids=self.token_ids[tokens],
+            positions=self.positions[tokens],
+            slot_mapping=self.slot_mapping[tokens],
+            logit_rows=rows(new_index[logit_rows[kept]]),
+            chunks=tuple(self.chunks[i] for i in chunk_indexes),
+            context_slots=[self.context_slots[i] for i in chunk_indexes],
+            host_positions=self.host_positions[token_rows],
+            config=self.config,
+            device=self.device,
+        )
+        return sub, tokens, rows(kept)
+
     @functools.cached_property
     def longest_context(self) -> int:
         """C: every position of the batch is below it (known on the host, unlike `positions.max()`)."""

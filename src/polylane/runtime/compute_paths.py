@@ -3,13 +3,15 @@
 What this module owns: the text `polylane --version` prints and the server logs at start — the
 polylane version, the torch build and the CPU capability its kernels run at, the CPU's relevant
 instruction sets, and per dtype either the native stack (with its matrix kernel) or torch, with
-the reason the native stack does not run where it does not. It decides nothing: the native stack
-(`runtime/native/stack.py`) and torch make the choice at load; this asks them the same questions.
+the reason the native stack does not run where it does not, and the compute thread settings. It
+decides nothing: the native stack (`runtime/native/stack.py`) and torch make the choice at load;
+this asks them the same questions.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 from pathlib import Path
 
@@ -51,6 +53,11 @@ def native_unavailable_reason() -> str | None:
     return f"the native stack needs AVX512-BF16 and AVX512-VBMI, which {march} lacks"
 
 
+def why_not_native() -> str:
+    """Why a model runs on torch rather than the native stack here, as far as the machine says."""
+    return native_unavailable_reason() or native.int4_packing_problem() or "no native kernel fits its shapes"
+
+
 def dtype_paths() -> dict[str, str]:
     """dtype → "native (KERNEL)" or "torch (CAPABILITY)" (+ why not native)."""
     torch_path = f"torch ({torch.backends.cpu.get_cpu_capability()})"
@@ -65,6 +72,22 @@ def dtype_paths() -> dict[str, str]:
     return paths
 
 
+OPENMP_SETTINGS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_PROC_BIND")
+
+
+def thread_settings() -> str:
+    """The compute thread settings in force: the adaptive ceiling, the usable CPUs, OpenMP's env."""
+    from polylane.runtime.cpu_load import TORCH_DEFAULT_THREADS, usable_cpus
+
+    cpus = len(usable_cpus())
+    ceiling = min(TORCH_DEFAULT_THREADS, cpus)
+    environment = ", ".join(f"{name}={os.environ[name]}" for name in OPENMP_SETTINGS if name in os.environ)
+    return (
+        f"threads: adaptive, {ceiling} while the machine is idle, one fewer per core other processes keep "
+        f"busy ({cpus} usable CPUs; serve --threads N fixes N); OpenMP environment: {environment or 'unset'}"
+    )
+
+
 def version_text() -> str:
     """The block `polylane --version` prints and the server logs at start."""
     try:
@@ -77,10 +100,18 @@ def version_text() -> str:
         f"torch {torch.__version__} (CPU kernels: {torch.backends.cpu.get_cpu_capability()}; CUDA {cuda}; "
         f"{torch.get_num_threads()} threads)",
         f"CPU: {cpu_description()}",
+        thread_settings(),
         "compute paths on this CPU:",
         *(f"  {dtype:5} {path}" for dtype, path in dtype_paths().items()),
     ]
     return "\n".join(lines)
 
 
-__all__ = ["cpu_description", "dtype_paths", "native_unavailable_reason", "version_text"]
+__all__ = [
+    "cpu_description",
+    "dtype_paths",
+    "native_unavailable_reason",
+    "thread_settings",
+    "version_text",
+    "why_not_native",
+]

@@ -130,6 +130,7 @@ def build_state(config: ServerConfig, *, quiet: bool = False) -> ServerState:
             scheduler=SchedulerConfig(lane_policy=config.lane_policy),
             quiet=quiet,
             device=config.device,
+            threads=config.threads,
         )
     )
     aliases: dict[str, str] = {}

@@ -4,6 +4,7 @@ A config file declares models and limits:
 
     budget = "6GiB"          # bytes, a size with a unit, or "auto"
     device = "auto"          # auto (CUDA when torch sees a GPU, else CPU) | cpu | cuda | cuda:N
+    threads = 0              # compute threads: 0 adapts to the machine's load (every core when idle)
     api_key = "secret"       # optional; the POLYLANE_API_KEY environment variable also sets it
 
     [[models]]
@@ -92,6 +93,22 @@ class ServerConfig:
     lane_policy: str = "throughput"
     limits: Limits = field(default_factory=Limits)
     device: str = "auto"
+    threads: int = 0  # compute threads (EngineConfig.threads): 0 adapts to the machine's load
+
+
+def parse_threads(value: object) -> int:
+    """A thread count from the command line or the config file: an int >= 0 (0: adapt), or "auto"."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ConfigError(f"threads must be a count >= 0 or auto, got {value!r}")
+    try:
+        threads = int(value)
+    except ValueError:
+        raise ConfigError(f"threads must be a count >= 0 or auto, got {value!r}") from None
+    if threads < 0:
+        raise ConfigError(f"threads must be >= 0 (0 or auto: adapt to the machine's load), got {threads}")
+    return threads
 
 
 def parse_size(value: str | int, free_bytes: Callable[[], int] | None = None) -> int:

@@ -2,13 +2,15 @@
 
 What this module owns: the server's histograms (TTFT and TPOT per model, observed as requests
 finish) and a collector that reads the engine at scrape time: per-model residency state and
-bytes, lane share and decode steps, requests by finish reason, generated tokens, evictions by
+bytes, compute threads, the other processes' CPU load and this process's CPU time, lane share and
+decode steps, requests by finish reason, generated tokens, evictions by
 cause, prefix-cache hits, the observed most models decoding at once, speculation per (target,
 drafter) pair, and the admission queue.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -68,6 +70,24 @@ class _EngineCollector:
         )
         yield CounterMetricFamily(
             "polylane_page_in_seconds", "seconds spent loading models", value=stats.residency.load_seconds
+        )
+        threads = self.engine.compute_threads
+        yield GaugeMetricFamily(
+            "polylane_compute_threads", "threads each compute op runs on now", value=threads.threads
+        )
+        yield GaugeMetricFamily(
+            "polylane_compute_threads_max",
+            "the most compute threads (the fixed count, or the adaptive ceiling)",
+            value=threads.policy.fixed or threads.policy.max_threads or 0,
+        )
+        yield GaugeMetricFamily(
+            "polylane_other_cpu_load",
+            "cores other processes kept busy over the last interval (what adaptive threads follow)",
+            value=threads.policy.other_load,
+        )
+        cpu_seconds = time.process_time()
+        yield CounterMetricFamily(
+            "polylane_process_cpu_seconds", "CPU time of this process (all threads)", value=cpu_seconds
         )
 
         lane = GaugeMetricFamily(

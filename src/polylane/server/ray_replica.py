@@ -184,16 +184,13 @@ class PolylaneReplica:
     """
 
     async def __init__(self, config: ServerConfig, threads: int = 1) -> None:
-        import torch
-
         from polylane.server.app import build_state, create_app
 
-        if threads > 0:
-            torch.set_num_threads(threads)
         context = serve.get_replica_context()
         self.replica_id: str = context.replica_id.unique_id
         self.app_name: str = context.app_name
-        self.state = build_state(dataclasses.replace(config, api_key=None), quiet=True)
+        # the replica's share of the machine: a fixed count (its engine sets it), or adapt (0)
+        self.state = build_state(dataclasses.replace(config, api_key=None, threads=threads), quiet=True)
         self.app = create_app(self.state, close_engine=False)
         self._directory: Any = None
         self._closed = False

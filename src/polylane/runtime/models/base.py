@@ -102,6 +102,41 @@ class DecoderModel(nn.Module):
             logits = self.native_stack.forward(self, batch, kv_cache, start_layer, hidden)
             if logits is not None:
                 return logits
+            split = self.native_stack.split(batch)
+            if split is not None:
+                return self._forward_split(batch, kv_cache, split, start_layer, hidden)
+        return self._torch_forward(batch, kv_cache, start_layer, hidden)
+
+    def _forward_split(
+        self,
+        batch: ForwardBatch,
+        kv_cache: PagedKVCache,
+        split: tuple[list[int], list[int]],
+        start_layer: int,
+        hidden: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The batch's chunks in two forwards, the native stack's and torch's (`NativeStack.split`),
+        their logits put back in the batch's row order."""
+        assert self.native_stack is not None
+        native_chunks, torch_chunks = split
+        logits: torch.Tensor | None = None
+        for chunks, native in ((native_chunks, True), (torch_chunks, False)):
+            part, token_rows, logit_rows = batch.select(chunks)
+            part_hidden = None if hidden is None else hidden[token_rows]
+            part_logits = None
+            if native:
+                part_logits = self.native_stack.forward(self, part, kv_cache, start_layer, part_hidden)
+            if part_logits is None:
+                part_logits = self._torch_forward(part, kv_cache, start_layer, part_hidden)
+            if logits is None:
+                logits = part_logits.new_empty(batch.logit_rows.shape[0], part_logits.shape[1])
+            logits[logit_rows] = part_logits
+        assert logits is not None
+        return logits
+
+    def _torch_forward(
+        self, batch: ForwardBatch, kv_cache: PagedKVCache, start_layer: int, hidden: torch.Tensor | None
+    ) -> torch.Tensor:
         if hidden is None:
             hidden = self.embed(batch.token_ids)  # (T, E)
             if self.config.embedding_scale != 1.0:

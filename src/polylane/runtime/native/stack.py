@@ -33,6 +33,7 @@ from polylane.runtime.kv_cache import PagedKVCache
 from polylane.runtime.layers import Projection
 from polylane.runtime.model_config import GLOBAL, SLIDING, ModelConfig
 from polylane.runtime.native.build import load_library
+from polylane.types import SequenceChunk
 
 log = logging.getLogger(__name__)
 
@@ -373,6 +374,26 @@ class NativeStack:
         self._model.kv_bf16 = int(cache.dtype == torch.bfloat16)
         self._bound_cache = weakref.ref(cache)
 
+    def split(self, batch: ForwardBatch) -> tuple[list[int], list[int]] | None:
+        """For a batch `forward` hands to torch as a whole: (chunks for the native stack, chunks for
+        torch) such that each prompt run's path depends on its own length alone and every other
+        token stays on the native stack — so a decode token or a verify pass gives the logits it
+        gives alone even beside a long prompt (on a CPU without AMX, prompt runs of `max_tokens`
+        or more take torch's GEMMs). None: no such split (every chunk is such a run, or the rest
+        is still too many tokens for the native stack)."""
+        long_runs = [
+            i for i, c in enumerate(batch.chunks) if _is_prompt_run(c) and c.num_new >= self.max_tokens
+        ]
+        rest = [i for i in range(len(batch.chunks)) if i not in long_runs]
+        if not long_runs or not rest:
+            return None
+        if sum(batch.chunks[i].num_new for i in rest) >= self.max_tokens:
+            return None
+        exact = sum(batch.chunks[i].num_new for i in rest if not _is_prompt_run(batch.chunks[i]))
+        if self.max_exact_tokens is not None and exact >= self.max_exact_tokens:
+            return None
+        return rest, long_runs
+
     def forward(
         self,
         model: DecoderModel,
@@ -451,10 +472,14 @@ def _attention_rows(batch: ForwardBatch) -> tuple[np.ndarray, np.ndarray, np.nda
     return context, sequence, visible
 
 
+def _is_prompt_run(chunk: SequenceChunk) -> bool:
+    """decoder.c `find_runs`: a chunk of RUN_ROWS tokens or more with at most one logit row."""
+    return chunk.num_new >= RUN_ROWS and chunk.logits != "all"
+
+
 def _exact_tokens(batch: ForwardBatch) -> int:
-    """The batch's tokens outside prompt runs (decoder.c `find_runs`: a chunk of RUN_ROWS tokens or
-    more with at most one logit row)."""
-    return sum(c.num_new for c in batch.chunks if c.num_new < RUN_ROWS or c.logits == "all")
+    """The batch's tokens outside prompt runs."""
+    return sum(c.num_new for c in batch.chunks if not _is_prompt_run(c))
 
 
 def _window(batch: ForwardBatch, visible: np.ndarray, window: int) -> np.ndarray:
