@@ -439,7 +439,7 @@ class Engine:
                 self._drain_inbox()
                 plan = self.scheduler.schedule()
                 if plan.is_idle:
-                    self.compute_threads.idle()
+                    self.compute_threads.step()  # (so that the count is right when work comes)
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     self._let_submissions_land()

@@ -11,9 +11,9 @@ of it every few milliseconds, and every op waits for that slice: two SmolLM2 str
 16–17 tokens/s to 0.4–1.0 on a 2-core machine with one busy-loop process. One thread fewer than
 the cores the others leave free does not wait for anyone. So:
 
-- Every `interval_s` of compute the engine reports a sample: wall time, the busy CPU time of all
-  the CPUs this process may run on, and this process's own CPU time. The other processes' load
-  is (Δbusy − Δown) / Δwall, in cores.
+- Every `interval_s`, computing or idle (so that the count is right when work arrives), the engine
+  reports a sample: wall time, the busy CPU time of all the CPUs this process may run on, and
+  this process's own CPU time. The other processes' load is (Δbusy − Δown) / Δwall, in cores.
 - The count is the CPUs minus that load, rounded with a margin (`busy_margin`: load up to 0.3 of
   a core is ignored), at least 1, at most `max_threads`.
 - It drops at once (a busy neighbour costs far more than one thread fewer) and rises only after
@@ -45,7 +45,7 @@ class ThreadPolicy:
     cpus: int  # CPUs this process may run on
     fixed: int | None = None  # a count the user chose: never changed
     max_threads: int | None = None  # the most threads when adaptive (None: `cpus`)
-    interval_s: float = 0.5  # the least wall time between two decisions
+    interval_s: float = 0.25  # the least wall time between two decisions
     busy_margin: float = 0.3  # other load (cores) below this much is ignored
     rise_after: int = 2  # samples in a row that want more threads before the count rises
 
@@ -98,10 +98,6 @@ class ThreadPolicy:
         else:
             self._wanting_more = 0
         return self.threads
-
-    def forget(self) -> None:
-        """Drop the last sample (the engine idled: CPU time spent waiting says nothing)."""
-        self._last = None
 
 
 __all__ = ["CpuSample", "ThreadPolicy"]
