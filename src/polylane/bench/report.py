@@ -282,8 +282,9 @@ def cpu_hog_markdown(results: dict[str, Any]) -> list[str]:
             )
     lines += [
         "",
-        "Each phase ran twice in every repeat, idle and then (other prompts, same shape) while the "
-        "bench kept busy-loop processes spinning; kept = loaded ÷ idle (1.00×: the neighbour cost nothing).",
+        "Each phase ran twice in every repeat: idle, and after every idle phase (other prompts, same "
+        "shape) while the bench kept busy-loop processes spinning; kept = loaded ÷ idle (1.00×: the "
+        "neighbour cost nothing).",
     ]
     return lines
 

@@ -264,19 +264,21 @@ def build(name: str, options: WorkloadOptions, repeat: int = 0) -> Workload:
     builder = {"single": _single, "mix": _mix, "shared-prefix": _shared_prefix, "spec": _spec}[name]
     phases = builder(options, rng, repeat)
     if options.cpu_hog:
-        # each phase then its twin under load, with other prompts (no prefix cached by the first)
+        # every phase idle, then each again under load with other prompts (nothing cached by the idle
+        # one); the loaded twins last, so that no idle phase follows a loaded one (the engine's
+        # thread count would still be recovering from the neighbour: `policy/threads.py`)
         busy_rng = random.Random(f"{name}:{options.seed}:{repeat}{HOG_SUFFIX}")
         busy = builder(options, busy_rng, HOG_REPEAT_OFFSET + repeat)
-        phases = tuple(
-            phase
-            for idle, twin in zip(phases, busy, strict=True)
-            for phase in (idle, replace(
+        described = f" — with {options.cpu_hog} busy-loop process(es) running"
+        phases += tuple(
+            replace(
                 twin,
                 name=idle.name + HOG_SUFFIX,
                 cpu_hog=options.cpu_hog,
-                description=f"{idle.description} — with {options.cpu_hog} busy-loop process(es) running",
-            ))
-        )  # fmt: skip
+                description=idle.description + described,
+            )
+            for idle, twin in zip(phases, busy, strict=True)
+        )
     return Workload(name, phases, options)
 
 
