@@ -439,8 +439,9 @@ class Engine:
                 self._drain_inbox()
                 plan = self.scheduler.schedule()
                 if plan.is_idle:
-                    self.compute_threads.step()  # (so that the count is right when work comes)
-                    self._wake.wait(timeout=0.5)
+                    # sampled while idle too, so that the count is right when work comes
+                    self.compute_threads.step()
+                    self._wake.wait(timeout=self.compute_threads.policy.interval_s)
                     self._wake.clear()
                     self._let_submissions_land()
                     continue

@@ -75,21 +75,26 @@ def dtype_paths() -> dict[str, str]:
 OPENMP_SETTINGS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_PROC_BIND")
 
 
-def thread_settings() -> str:
-    """The compute thread settings in force: the adaptive ceiling, the usable CPUs, OpenMP's env."""
+def thread_settings(threads: int = 0) -> str:
+    """The compute thread settings in force: fixed (`threads` > 0) or the adaptive ceiling, the
+    usable CPUs, OpenMP's environment."""
     from polylane.runtime.cpu_load import TORCH_DEFAULT_THREADS, usable_cpus
 
     cpus = len(usable_cpus())
-    ceiling = min(TORCH_DEFAULT_THREADS, cpus)
     environment = ", ".join(f"{name}={os.environ[name]}" for name in OPENMP_SETTINGS if name in os.environ)
-    return (
-        f"threads: adaptive, {ceiling} while the machine is idle, one fewer per core other processes keep "
-        f"busy ({cpus} usable CPUs; serve --threads N fixes N); OpenMP environment: {environment or 'unset'}"
-    )
+    if threads > 0:
+        setting = f"fixed at {threads} ({cpus} usable CPUs)"
+    else:
+        setting = (
+            f"adaptive, {min(TORCH_DEFAULT_THREADS, cpus)} while the machine is idle, one fewer per core "
+            f"other processes keep busy ({cpus} usable CPUs; serve --threads N fixes N)"
+        )
+    return f"threads: {setting}; OpenMP environment: {environment or 'unset'}"
 
 
-def version_text() -> str:
-    """The block `polylane --version` prints and the server logs at start."""
+def version_text(threads: int = 0) -> str:
+    """The block `polylane --version` prints and the server logs at start (`threads`: the server's
+    setting, 0 adaptive)."""
     try:
         version = importlib.metadata.version("polylane")
     except importlib.metadata.PackageNotFoundError:
@@ -100,7 +105,7 @@ def version_text() -> str:
         f"torch {torch.__version__} (CPU kernels: {torch.backends.cpu.get_cpu_capability()}; CUDA {cuda}; "
         f"{torch.get_num_threads()} threads)",
         f"CPU: {cpu_description()}",
-        thread_settings(),
+        thread_settings(threads),
         "compute paths on this CPU:",
         *(f"  {dtype:5} {path}" for dtype, path in dtype_paths().items()),
     ]

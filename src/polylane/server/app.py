@@ -156,7 +156,7 @@ def serve(config: ServerConfig) -> None:
 
     from polylane.runtime.compute_paths import version_text
 
-    for line in version_text().splitlines():
+    for line in version_text(config.threads).splitlines():
         print(f"polylane: {line}", file=sys.stderr, flush=True)
     state = build_state(config)
     first = config.models[0].name
