@@ -213,7 +213,9 @@ def test_single_under_a_busy_neighbour_runs_every_phase_twice(
     assert [p["primary_metric"] for p in results["phases"]][::3] == ["prefill_tokens_per_s"] * 2
     summary = results["systems"]["polylane"]["summary"]
     assert summary["decode+hog"]["output_tokens"] == 4 and summary["batch-2+hog"]["output_tokens"] == 8
-    assert summary["prefill+hog"]["cached_tokens"] == 0, "the loaded twin reused the idle phase's prompt"
+    # other prompts: at most their common opening ("(ref " and the template) is served from the cache
+    loaded_prefill = summary["prefill+hog"]
+    assert loaded_prefill["cached_tokens"] <= 0.1 * loaded_prefill["prompt_tokens"], loaded_prefill
     block = results["cpu_hog"]
     assert set(block) == {"prefill+hog", "decode+hog", "batch-2+hog"}
     row = block["decode+hog"]["polylane"]

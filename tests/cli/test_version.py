@@ -57,7 +57,7 @@ def test_without_the_native_stack_every_dtype_says_torch_and_why() -> None:
 
 def test_int4_packed_for_another_capability_runs_on_torch_and_says_so() -> None:
     if native.kernel_name() is None:
-        pytest.skip(f"the native stack does not run here: {native_unavailable_reason()}")
+        pytest.skip(str(native_unavailable_reason()))
     paths = _paths(_version(ATEN_CPU_CAPABILITY="default"))
     assert paths["int4"].startswith("torch (DEFAULT)") and "layout" in paths["int4"], paths
     assert paths["int8"].startswith("native ("), paths

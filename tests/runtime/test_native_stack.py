@@ -34,7 +34,7 @@ from polylane.runtime.quantize import QuantizedProjection
 from polylane.types import SequenceChunk
 
 needs_native = pytest.mark.skipif(
-    native.library() is None, reason=f"the native stack does not run here: {native_unavailable_reason()}"
+    native.library() is None, reason=str(native_unavailable_reason())
 )
 SMOL, QWEN, GEMMA = "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma3-270m"
 TEXT = (
@@ -49,7 +49,7 @@ def kernel(request):
     """Run a test once per matrix kernel this CPU has (AMX can be switched off, not on)."""
     lib = native.library()
     if lib is None:
-        pytest.skip(f"the native stack does not run here: {native_unavailable_reason()}")
+        pytest.skip(str(native_unavailable_reason()))
     lib.polylane_use_amx(int(request.param == "amx"))
     try:
         if native.kernel_name() != request.param:
@@ -212,7 +212,7 @@ def test_prompt_runs_on_tiles_agree_with_the_torch_path(load_real_model, name, d
 
 def _native(model):
     if model.module.native_stack is None:
-        pytest.skip(f"the native stack does not run this model here: {why_not_native()}")
+        pytest.skip(f"this model runs on torch here: {why_not_native()}")
     return model.module
 
 

@@ -95,7 +95,7 @@ def test_a_long_int4_prompt_agrees_with_float32(load_real_model, path):
     quantised = load_real_model(SMOL, "int4")
     stack = quantised.module.native_stack
     if path == "native" and stack is None:
-        pytest.skip(f"the native stack does not run this model here: {why_not_native()}")
+        pytest.skip(f"this model runs on torch here: {why_not_native()}")
     ids = reference.tokenizer.encode(LONG_TEXT)
     assert len(ids) >= max(200, DEQUANTIZE_MIN_ROWS + 1), f"the prompt has {len(ids)} tokens"
     # on the native stack, in prompt chunks it takes (a CPU without AMX hands 128+ tokens to torch)
