@@ -1,12 +1,15 @@
 """The converted-weights cache: a GGUF model loaded from its safetensors conversion is bit-identical
-to one dequantised from the GGUF file, and a corrupt conversion is discarded, never used."""
+to one dequantised from the GGUF file, a corrupt conversion is discarded, never used, entries are
+keyed by the file's content (not its name, size and mtime), and the cache stays under its cap."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
-from polylane.runtime import converted
+from polylane.runtime import converted, file_identity
 from polylane.runtime.generate import GenerationRequest, Generator
 from polylane.runtime.loaded_model import load_model
 from polylane.types import SamplingParams
@@ -46,3 +49,52 @@ def test_corrupt_conversion_is_discarded(tmp_path, monkeypatch):
     model = load_model("smollm2-135m-instruct", "bf16", quiet=True)
     assert model.weight_bytes > 0
     assert entry.is_file() and entry.stat().st_size > 1_000_000, "the corrupt entry was not rewritten"
+
+
+def _same_stat_pair(tmp_path, first: bytes, second: bytes):
+    """Two files of one name, size and modification time in two folders."""
+    paths = []
+    for folder, data in (("a", first), ("b", second)):
+        path = tmp_path / folder / "model-Q4_K_M.gguf"
+        path.parent.mkdir(parents=True)
+        path.write_bytes(data)
+        os.utime(path, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+        paths.append(path)
+    return paths
+
+
+def test_two_files_alike_but_for_their_bytes_get_two_entries(tmp_path, monkeypatch):
+    """Name, size and mtime do not identify a file (fine-tunes of one base, `cp -p`): the entry is
+    keyed by content, so one file is never served the other's converted weights."""
+    monkeypatch.setattr(converted, "converted_dir", lambda: tmp_path / "converted")
+    monkeypatch.setattr(file_identity, "hashes_dir", lambda: tmp_path / "hashes")
+    one, other = _same_stat_pair(tmp_path, b"GGUF" + b"\x01" * 60, b"GGUF" + b"\x02" * 60)
+    assert (one.stat().st_size, one.stat().st_mtime_ns) == (other.stat().st_size, other.stat().st_mtime_ns)
+    assert converted.converted_path(one, torch.float32) != converted.converted_path(other, torch.float32)
+    same, copy = _same_stat_pair(tmp_path / "c", b"GGUF" + b"\x03" * 60, b"GGUF" + b"\x03" * 60)
+    assert converted.converted_path(same, torch.float32) == converted.converted_path(copy, torch.float32)
+
+
+def test_a_file_rewritten_in_place_with_its_old_mtime_is_hashed_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(file_identity, "hashes_dir", lambda: tmp_path / "hashes")
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"first version...")
+    stamp = path.stat().st_mtime_ns
+    before = file_identity.content_digest(path)
+    assert file_identity.content_digest(path) == before  # remembered
+    path.write_bytes(b"other version...")  # same size
+    os.utime(path, ns=(stamp, stamp))  # and the old mtime, as `cp -p` would leave it
+    assert file_identity.content_digest(path) != before
+
+
+def test_entries_past_the_cap_go_least_recently_used_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(converted, "converted_dir", lambda: tmp_path)
+    entries = []
+    for index in range(4):
+        entry = tmp_path / f"m{index}.safetensors"
+        entry.write_bytes(b"x" * 1000)
+        os.utime(entry, ns=(index * 10**9, index * 10**9))
+        entries.append(entry)
+    removed = converted.prune(2500, keep=entries[0])
+    assert removed == [entries[1], entries[2]], "the oldest but the kept one went first"
+    assert [e.exists() for e in entries] == [True, False, False, True]

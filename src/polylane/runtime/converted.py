@@ -6,10 +6,13 @@ cast: exactly what the decoder runs) are written next to the fetched models, und
 `<cache dir>/converted/`, and every later load of the same file at the same dtype reads them back
 without dequantising anything.
 
-An entry is keyed by the source file's name, size and modification time, the dtype and
+An entry is keyed by the source file's content (`runtime.file_identity`: a sha256 of its bytes,
+not its name, size and modification time, which two different files can share), the dtype and
 `LAYOUT_VERSION`; bump `LAYOUT_VERSION` whenever the run-time parameter layout changes (fusion,
 row order, transposition), so no stale entry is ever used. Entries are written atomically (temp
-file, then rename); a corrupt entry is deleted and the model is reloaded from its GGUF file.
+file, then rename); a corrupt entry is deleted and the model is reloaded from its GGUF file. The
+entries together stay under `max_cache_bytes()` (`POLYLANE_CONVERTED_CAP`, default 8 GiB): after
+each write the least recently used ones go.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 import torch
 
 from polylane import catalog
+from polylane.runtime.file_identity import content_digest
 from polylane.runtime.loader import ARCHITECTURES, LoadedWeights, _parameter_bytes
 from polylane.runtime.model_config import ModelConfig
 
@@ -36,10 +40,19 @@ def converted_dir() -> Path:
     return catalog.cache_dir() / "converted"
 
 
+CAP_ENV = "POLYLANE_CONVERTED_CAP"
+DEFAULT_CAP_BYTES = 8 << 30
+
+
+def max_cache_bytes() -> int:
+    """The most bytes the converted entries may take together ($POLYLANE_CONVERTED_CAP, bytes)."""
+    value = os.environ.get(CAP_ENV, "").strip()
+    return int(value) if value.isdigit() else DEFAULT_CAP_BYTES
+
+
 def converted_path(source: Path, dtype: torch.dtype) -> Path:
-    stat = source.stat()
-    key = f"{source.stem}-{stat.st_size}-{stat.st_mtime_ns}-{DTYPE_NAMES[dtype]}-v{LAYOUT_VERSION}"
-    return converted_dir() / f"{key}.safetensors"
+    content = content_digest(source)[:32]
+    return converted_dir() / f"{source.stem}-{content}-{DTYPE_NAMES[dtype]}-v{LAYOUT_VERSION}.safetensors"
 
 
 def save_converted(weights: LoadedWeights, target: Path) -> None:
@@ -58,12 +71,42 @@ def save_converted(weights: LoadedWeights, target: Path) -> None:
     except OSError as error:  # a full disk must not fail the load that already succeeded
         log.warning("could not cache converted weights at %s: %s", target, error)
         temporary.unlink(missing_ok=True)
+        return
+    prune(max_cache_bytes(), keep=target)
+
+
+def prune(cap_bytes: int, keep: Path | None = None) -> list[Path]:
+    """Remove the least recently used entries until the rest take at most `cap_bytes` (`keep`, the
+    entry just written, stays); the removed paths."""
+    try:
+        entries = sorted(converted_dir().glob("*.safetensors"), key=lambda p: p.stat().st_mtime_ns)
+        total = sum(p.stat().st_size for p in entries)
+    except OSError:  # another process pruned meanwhile
+        return []
+    removed = []
+    for entry in entries:
+        if total <= cap_bytes:
+            break
+        if entry == keep:
+            continue
+        try:
+            size = entry.stat().st_size
+            entry.unlink()
+        except OSError:
+            continue
+        total -= size
+        removed.append(entry)
+    if removed:
+        log.info("removed %d converted-weights entries (least recently used) to stay under %d bytes",
+                 len(removed), cap_bytes)  # fmt: skip
+    return removed
 
 
 def load_converted(target: Path, dtype: torch.dtype) -> LoadedWeights | None:
     """The cached conversion, or None when there is none (or it is unreadable: then it is removed)."""
     if not target.is_file():
         return None
+    os.utime(target)  # recently used: the last to be pruned
     from safetensors import safe_open
     from safetensors.torch import load_file
 

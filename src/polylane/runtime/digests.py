@@ -6,10 +6,10 @@ the on-disk cache of those digests. Which layers two models share is decided fro
 `policy.layer_share`; this module only hashes.
 
 Hashing reads every weight byte once (about 0.3 s for 540 MB on one core), so the result is kept
-under `<cache dir>/digests/`, keyed by the source's file identity (path, and every file's size and
-modification time: the GGUF file, or every file of a Hugging Face folder, tokenizer included), the
+under `<cache dir>/digests/`, keyed by the source's content (`runtime.file_identity`: every file's
+name and sha256 — the GGUF file, or every file of a Hugging Face folder, tokenizer included), the
 dtype it was loaded at, `DIGEST_VERSION` and the converted-weights `LAYOUT_VERSION`. Editing a file
-changes its identity, so its digests are computed again from the new bytes. Because the key is
+changes its content key, so its digests are computed again from the new bytes. Because the key is
 known before loading, a model's cached digests are also available before it is ever loaded on this
 run (`cached_digest`), which lets its peers record boundary states for it from their first prefill.
 """
@@ -29,6 +29,7 @@ import torch
 from polylane import catalog
 from polylane.policy.layer_share import ModelDigest
 from polylane.runtime.converted import LAYOUT_VERSION
+from polylane.runtime.file_identity import content_digest
 from polylane.runtime.model_config import ModelConfig
 from polylane.runtime.tokenizer import Tokenizer
 
@@ -144,11 +145,11 @@ def digests_dir() -> Path:
     return catalog.cache_dir() / "digests"
 
 
-def file_identity(source: catalog.ModelSource) -> list[tuple[str, int, int]]:
-    """(name, size, mtime_ns) of the model's file, or of every file of its folder."""
+def file_identity(source: catalog.ModelSource) -> list[tuple[str, str]]:
+    """(name, content sha256) of the model's file, or of every file of its folder."""
     path = source.path.resolve()
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
-    return [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return [(p.name, content_digest(p)) for p in files]
 
 
 def digest_path(source: catalog.ModelSource, dtype: str | torch.dtype) -> Path:

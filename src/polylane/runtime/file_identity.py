@@ -1,0 +1,74 @@
+"""What a model file is, by content: a sha256 of its bytes, computed once per version of the file.
+
+What this module owns: `content_digest(path)`, the key under which anything derived from a file
+(converted weights, per-layer digests) is cached. A name, size and modification time do not
+identify a file: fine-tunes of one base at one quantisation have the same size, and `cp -p`,
+`rsync -t` and `tar x` keep modification times, so two different files can agree on all three
+(and then one would be served the other's cached weights). The content does identify it.
+
+Hashing reads the whole file (about 1 s per GB), so the digest is remembered under
+`<cache dir>/file-hashes/`, keyed by the file's device, inode, size, modification time and
+change time. The change time cannot be set by `cp -p`, `rsync` or `tar`: any write to the file,
+even one that restores its size and modification time, gives it a new key and a new hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+from polylane import catalog
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 8 << 20
+MAX_REMEMBERED = 1024  # remembered digests kept, most recently used first
+
+
+def hashes_dir() -> Path:
+    return catalog.cache_dir() / "file-hashes"
+
+
+def content_digest(path: Path) -> str:
+    """The sha256 (hex) of the file's bytes; hashed on the first call for this version of the file."""
+    stat = path.stat()
+    version = f"{stat.st_dev}-{stat.st_ino}-{stat.st_size}-{stat.st_mtime_ns}-{stat.st_ctime_ns}"
+    remembered = hashes_dir() / f"{version}.sha256"
+    try:
+        digest = remembered.read_text().strip()
+        if len(digest) == 64:
+            os.utime(remembered)  # recently used: the last to be pruned
+            return digest
+    except OSError:
+        pass
+    hasher = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(CHUNK_BYTES):
+            hasher.update(chunk)
+    digest = hasher.hexdigest()
+    _remember(remembered, digest)
+    return digest
+
+
+def _remember(target: Path, digest: str) -> None:
+    """Write atomically; a failure (read-only or full disk) only costs hashing again next time."""
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temporary.write_text(digest)
+        os.replace(temporary, target)
+    except OSError as error:
+        log.warning("could not remember the hash of a model file at %s: %s", target, error)
+        temporary.unlink(missing_ok=True)
+        return
+    try:
+        entries = sorted(target.parent.glob("*.sha256"), key=lambda p: p.stat().st_mtime_ns)
+        for stale in entries[: max(0, len(entries) - MAX_REMEMBERED)]:
+            stale.unlink(missing_ok=True)
+    except OSError:  # another process pruned meanwhile
+        pass
+
+
+__all__ = ["content_digest", "hashes_dir"]
