@@ -13,7 +13,10 @@ The C code computes each token independently of the others in its batch (see its
 decode step and a verify pass agree exactly; a prompt chunk of 16+ tokens takes the AMX prompt
 paths by its own length, whatever shares its step. Forwards of more tokens than `max_tokens` go
 to torch, whose dense GEMMs win there, and so do int8 forwards with `max_exact_tokens` or more
-tokens outside prompt runs.
+tokens outside prompt runs; where a step is that large only because of prompt runs of
+`max_tokens` or more (a CPU without AMX), `split` sends those runs to torch and keeps the rest of
+the step here, so decode and verify tokens keep their exact path beside long prompts. int4 weights
+run here only in the packing decoder.c reads (`int4_packing_problem`).
 """
 
 from __future__ import annotations
