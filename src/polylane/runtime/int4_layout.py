@@ -19,8 +19,9 @@ probes whose codes spell out each element's own index (four bits per probe) and 
 every code landed, then checks that the whole probe fits "blocks of B rows, column-major within a
 block". A packing that does not fit (a future torch) yields None, and callers take a slower path
 that asks torch's kernel for the codes instead of reading its bytes. Unpacking a known interleave
-is a transpose (as fast as the fixed AVX512 reader it replaced: 1.1 vs 1.0 ms for a 3,072 × 576
-weight, 20 vs 16 ms for 17,920 × 1,536 on the 2-core EPYC); any other row order is a gather.
+is a view and a permute, any other row order a gather of whole rows (`python bench/int4_unpack.py`
+on the 2-core EPYC, AVX512 layout: 0.85 / 0.93 ms for a 3,072 × 576 weight, 19.9 / 22.3 ms for
+17,920 × 1,536).
 """
 
 from __future__ import annotations
