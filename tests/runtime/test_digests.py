@@ -8,6 +8,7 @@ import os
 from polylane import catalog
 from polylane.policy.layer_share import ModelDigest
 from polylane.runtime import digests
+from polylane.runtime.file_identity import keep_most_recent
 
 DIGEST = ModelDigest(
     embedding="e", layers=("a", "b"), head="h", tokenizer="t", rope="r", kv_layout="k", compute="c"
@@ -48,5 +49,5 @@ def test_prune_keeps_the_most_recently_used(tmp_path) -> None:
         entry.write_text("{}")
         os.utime(entry, ns=(index * 10**9, index * 10**9))
     os.utime(tmp_path / "0.json")  # read just now
-    digests._prune(tmp_path, keep=2)
+    keep_most_recent(tmp_path, "*.json", keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0.json", "4.json"]

@@ -7,9 +7,10 @@ applies the count); no torch, no clocks of its own.
 Why: the engine's parallel ops (torch's and the native stack's OpenMP teams) split each op evenly
 over their threads and wait for the slowest at the end of every op, a few hundred times a step.
 When another process keeps one of two cores busy, the thread that shares that core gets a slice
-of it every few milliseconds, and every op waits for that slice: two SmolLM2 streams fell from
-16–17 tokens/s to 0.4–1.0 on a 2-core machine with one busy-loop process. One thread fewer than
-the cores the others leave free does not wait for anyone. So:
+of it every few milliseconds, and every op waits for that slice: with one busy-loop process on a
+2-core AMD EPYC, two threads kept 0.28–0.35× of SmolLM2's idle speed, the adaptive count
+0.55–0.84× (README, "A busy neighbour"). A thread count that leaves the busy cores to their
+owners waits for nobody. So:
 
 - Every `interval_s`, computing or idle (so that the count is right when work arrives), the engine
   reports a sample: wall time, the busy CPU time of all the CPUs this process may run on, and
@@ -20,7 +21,7 @@ the cores the others leave free does not wait for anyone. So:
   `rise_after` samples in a row that ask for more (a neighbour that pauses for a moment does
   not make the team flap).
 
-A fixed count (`--threads N`) turns the policy off: `threads_for` then always says N.
+A fixed count (`--threads N`) turns the policy off: `observe` then always says N.
 """
 
 from __future__ import annotations

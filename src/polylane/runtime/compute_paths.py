@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from polylane.runtime.cpu_load import TORCH_DEFAULT_THREADS, usable_cpus
 from polylane.runtime.native import build
 from polylane.runtime.native import stack as native
 from polylane.types import WEIGHT_DTYPES
@@ -78,8 +79,6 @@ OPENMP_SETTINGS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_
 def thread_settings(threads: int = 0) -> str:
     """The compute thread settings in force: fixed (`threads` > 0) or the adaptive ceiling, the
     usable CPUs, OpenMP's environment."""
-    from polylane.runtime.cpu_load import TORCH_DEFAULT_THREADS, usable_cpus
-
     cpus = len(usable_cpus())
     environment = ", ".join(f"{name}={os.environ[name]}" for name in OPENMP_SETTINGS if name in os.environ)
     if threads > 0:

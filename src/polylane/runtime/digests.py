@@ -29,7 +29,7 @@ import torch
 from polylane import catalog
 from polylane.policy.layer_share import ModelDigest
 from polylane.runtime.converted import LAYOUT_VERSION
-from polylane.runtime.file_identity import content_digest
+from polylane.runtime.file_identity import content_digest, keep_most_recent
 from polylane.runtime.model_config import ModelConfig
 from polylane.runtime.tokenizer import Tokenizer
 
@@ -207,18 +207,8 @@ def save_digest(source: catalog.ModelSource, dtype: str | torch.dtype, digest: M
         log.warning("could not cache model digests at %s: %s", target, error)
         temporary.unlink(missing_ok=True)
         return
-    _prune(target.parent)
-
-
-def _prune(folder: Path, keep: int = MAX_CACHED_DIGESTS) -> None:
-    """Keep the `keep` most recently used entries (temporary model folders, e.g. of tests, leave
-    entries that are never read again)."""
-    try:
-        entries = sorted(folder.glob("*.json"), key=lambda path: path.stat().st_mtime_ns)
-        for stale in entries[: max(0, len(entries) - keep)]:
-            stale.unlink(missing_ok=True)
-    except OSError:  # another process pruned meanwhile
-        pass
+    # (temporary model folders, e.g. of tests, leave entries that are never read again)
+    keep_most_recent(target.parent, "*.json", MAX_CACHED_DIGESTS)
 
 
 def digest_of(name_or_path: str, dtype: str = "fp32", *, quiet: bool = True) -> ModelDigest:

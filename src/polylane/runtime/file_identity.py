@@ -63,12 +63,18 @@ def _remember(target: Path, digest: str) -> None:
         log.warning("could not remember the hash of a model file at %s: %s", target, error)
         temporary.unlink(missing_ok=True)
         return
+    keep_most_recent(target.parent, "*.sha256", MAX_REMEMBERED)
+
+
+def keep_most_recent(folder: Path, pattern: str, keep: int) -> None:
+    """Delete all but the `keep` most recently used (modified or touched) files of `folder` that
+    match `pattern` (the small caches of derived facts: remembered hashes, layer digests)."""
     try:
-        entries = sorted(target.parent.glob("*.sha256"), key=lambda p: p.stat().st_mtime_ns)
-        for stale in entries[: max(0, len(entries) - MAX_REMEMBERED)]:
+        entries = sorted(folder.glob(pattern), key=lambda path: path.stat().st_mtime_ns)
+        for stale in entries[: max(0, len(entries) - keep)]:
             stale.unlink(missing_ok=True)
     except OSError:  # another process pruned meanwhile
         pass
 
 
-__all__ = ["content_digest", "hashes_dir"]
+__all__ = ["content_digest", "hashes_dir", "keep_most_recent"]
