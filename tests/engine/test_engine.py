@@ -347,7 +347,9 @@ def test_a_submit_still_tokenising_joins_the_first_prefill_step():
         def tokenise(model, prompt, messages):
             if prompt == "slow":
                 slow_started.set()
-                time.sleep(0.01)  # a long prompt's template and tokeniser, 5× the quiet window
+                # a long prompt's template and tokeniser: 3× the quiet window, well inside the
+                # engine's 20 ms bound (10 ms here failed once in six full runs on a loaded 2-core box)
+                time.sleep(0.006)
             else:
                 slow_started.wait(5)
             return prompt_ids(model, prompt, messages)
