@@ -1,0 +1,372 @@
+/* GGUF's block formats multiplied where they lie: y = x·Wᵀ with W read from the file's mapping.
+
+What this file owns: turning a row of a GGUF tensor (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K,
+F16, BF16 or F32) into float32 values exactly as ggml defines them, and the products of float32
+activations with such rows, for any number of activation rows, over OpenMP threads. Nothing is
+converted ahead of time and nothing is copied: a weight is a list of segments (a tensor's rows,
+each segment in its own format, optionally through a row map), pointing into the mapping.
+
+Activations stay float32 (llama.cpp rounds them to 8 bits for its integer dot products; here the
+weights are dequantised per block and multiplied in float32, so the result is the fp32 product of
+the file's own weights up to summation order).
+
+Batch independence: every output y[m][n] is the same sequence of float operations whatever the
+number of rows, the row's place in the batch, the thread count or the tile it falls in: rows of W
+are dequantised into a buffer and every activation row is dotted with four weight rows at a time
+by one function whose per-row arithmetic does not depend on its neighbours. A verify pass
+therefore gives the logits of the decode steps it stands for.
+
+Instruction sets are chosen when the file is compiled for the machine (-march=native, see
+build.py): AVX-512F, AVX2 with FMA, or portable C with no intrinsics (POLYLANE_PORTABLE, or any
+other CPU, ARM included).
+*/
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if !defined(POLYLANE_PORTABLE) && defined(__AVX512F__)
+#define ISA_AVX512 1
+#include <immintrin.h>
+#elif !defined(POLYLANE_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
+#define ISA_AVX2 1
+#include <immintrin.h>
+#endif
+
+/* ggml's type ids (the values stored in a GGUF tensor info) */
+enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
+
+#define TILE_ROWS 4       /* weight rows dequantised together and dotted with each activation row */
+#define X_BLOCK_BYTES (256 * 1024) /* activation rows taken per pass over W (kept in L2) */
+
+typedef struct {
+    int64_t type;
+    const uint8_t *data;    /* the tensor's first row in the mapping */
+    int64_t rows;           /* output rows this segment gives */
+    const int64_t *row_map; /* NULL: rows in order; else the tensor row of each output row */
+} Segment;
+
+typedef struct {
+    int64_t in_features;
+    int64_t out_features;
+    int64_t num_segments;
+    const Segment *segments;
+    const float *bias; /* NULL or out_features floats */
+} BlockMatrix;
+
+int polylane_blocks_isa(void) {
+#if defined(ISA_AVX512)
+    return 2;
+#elif defined(ISA_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ---------------------------------------------------------------- formats */
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    uint32_t bits;
+    if (exponent == 0) {
+        float value = (float)mantissa * 5.9604644775390625e-08f; /* subnormal: mantissa · 2^-24 */
+        return sign ? -value : value;
+    }
+    if (exponent == 31) {
+        bits = sign | 0x7f800000u | (mantissa << 13);
+    } else {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    }
+    float value;
+    memcpy(&value, &bits, 4);
+    return value;
+}
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return half_to_float(h);
+}
+
+static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *scale, uint8_t *min) {
+    if (j < 4) {
+        *scale = q[j] & 63;
+        *min = q[j + 4] & 63;
+    } else {
+        *scale = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *min = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* Elements per block and bytes per block of a type; 0 for a type without a kernel. */
+int64_t polylane_blocks_geometry(int64_t type, int64_t *block_bytes) {
+    switch (type) {
+    case F32: *block_bytes = 4; return 1;
+    case F16: *block_bytes = 2; return 1;
+    case BF16: *block_bytes = 2; return 1;
+    case Q4_0: *block_bytes = 18; return 32;
+    case Q4_1: *block_bytes = 20; return 32;
+    case Q5_0: *block_bytes = 22; return 32;
+    case Q5_1: *block_bytes = 24; return 32;
+    case Q8_0: *block_bytes = 34; return 32;
+    case Q4_K: *block_bytes = 144; return 256;
+    case Q5_K: *block_bytes = 176; return 256;
+    case Q6_K: *block_bytes = 210; return 256;
+    default: *block_bytes = 0; return 0;
+    }
+}
+
+static int64_t row_bytes(int64_t type, int64_t k) {
+    int64_t block_bytes;
+    int64_t elements = polylane_blocks_geometry(type, &block_bytes);
+    return elements ? k / elements * block_bytes : 0;
+}
+
+/* One row of k elements of `type` at `row` as float32, the values ggml's dequantize_row_* gives. */
+static void dequantise_row(int64_t type, const uint8_t *row, int64_t k, float *y) {
+    switch (type) {
+    case F32:
+        memcpy(y, row, (size_t)k * 4);
+        return;
+    case F16:
+        for (int64_t i = 0; i < k; i++) y[i] = half_at(row + 2 * i);
+        return;
+    case BF16:
+        for (int64_t i = 0; i < k; i++) {
+            uint16_t h;
+            memcpy(&h, row + 2 * i, 2);
+            uint32_t bits = (uint32_t)h << 16;
+            memcpy(y + i, &bits, 4);
+        }
+        return;
+    case Q4_0:
+        for (int64_t b = 0; b < k / 32; b++, row += 18, y += 32) {
+            const float d = half_at(row);
+            const uint8_t *qs = row + 2;
+            for (int j = 0; j < 16; j++) {
+                y[j] = (float)((qs[j] & 0xF) - 8) * d;
+                y[j + 16] = (float)((qs[j] >> 4) - 8) * d;
+            }
+        }
+        return;
+    case Q4_1:
+        for (int64_t b = 0; b < k / 32; b++, row += 20, y += 32) {
+            const float d = half_at(row), m = half_at(row + 2);
+            const uint8_t *qs = row + 4;
+            for (int j = 0; j < 16; j++) {
+                y[j] = (float)(qs[j] & 0xF) * d + m;
+                y[j + 16] = (float)(qs[j] >> 4) * d + m;
+            }
+        }
+        return;
+    case Q5_0:
+        for (int64_t b = 0; b < k / 32; b++, row += 22, y += 32) {
+            const float d = half_at(row);
+            uint32_t qh;
+            memcpy(&qh, row + 2, 4);
+            const uint8_t *qs = row + 6;
+            for (int j = 0; j < 16; j++) {
+                const int high0 = ((qh >> j) << 4) & 0x10, high1 = (qh >> (j + 12)) & 0x10;
+                y[j] = (float)(((qs[j] & 0xF) | high0) - 16) * d;
+                y[j + 16] = (float)(((qs[j] >> 4) | high1) - 16) * d;
+            }
+        }
+        return;
+    case Q5_1:
+        for (int64_t b = 0; b < k / 32; b++, row += 24, y += 32) {
+            const float d = half_at(row), m = half_at(row + 2);
+            uint32_t qh;
+            memcpy(&qh, row + 4, 4);
+            const uint8_t *qs = row + 8;
+            for (int j = 0; j < 16; j++) {
+                const int high0 = ((qh >> j) << 4) & 0x10, high1 = (qh >> (j + 12)) & 0x10;
+                y[j] = (float)((qs[j] & 0xF) | high0) * d + m;
+                y[j + 16] = (float)((qs[j] >> 4) | high1) * d + m;
+            }
+        }
+        return;
+    case Q8_0:
+        for (int64_t b = 0; b < k / 32; b++, row += 34, y += 32) {
+            const float d = half_at(row);
+            const int8_t *qs = (const int8_t *)(row + 2);
+            for (int j = 0; j < 32; j++) y[j] = (float)qs[j] * d;
+        }
+        return;
+    case Q4_K:
+        for (int64_t b = 0; b < k / 256; b++, row += 144) {
+            const float d = half_at(row), dmin = half_at(row + 2);
+            const uint8_t *scales = row + 4, *q = row + 16;
+            for (int j = 0; j < 4; j++, q += 32, y += 64) {
+                uint8_t scale, min;
+                scale_min_k4(2 * j, scales, &scale, &min);
+                const float d1 = d * scale, m1 = dmin * min;
+                scale_min_k4(2 * j + 1, scales, &scale, &min);
+                const float d2 = d * scale, m2 = dmin * min;
+                for (int l = 0; l < 32; l++) y[l] = d1 * (float)(q[l] & 0xF) - m1;
+                for (int l = 0; l < 32; l++) y[32 + l] = d2 * (float)(q[l] >> 4) - m2;
+            }
+        }
+        return;
+    case Q5_K:
+        for (int64_t b = 0; b < k / 256; b++, row += 176) {
+            const float d = half_at(row), dmin = half_at(row + 2);
+            const uint8_t *scales = row + 4, *qh = row + 16, *ql = row + 48;
+            for (int j = 0; j < 4; j++, ql += 32, y += 64) {
+                uint8_t scale, min;
+                scale_min_k4(2 * j, scales, &scale, &min);
+                const float d1 = d * scale, m1 = dmin * min;
+                scale_min_k4(2 * j + 1, scales, &scale, &min);
+                const float d2 = d * scale, m2 = dmin * min;
+                const uint8_t bit1 = (uint8_t)(1u << (2 * j)), bit2 = (uint8_t)(2u << (2 * j));
+                for (int l = 0; l < 32; l++) y[l] = d1 * (float)((ql[l] & 0xF) + (qh[l] & bit1 ? 16 : 0)) - m1;
+                for (int l = 0; l < 32; l++) y[32 + l] = d2 * (float)((ql[l] >> 4) + (qh[l] & bit2 ? 16 : 0)) - m2;
+            }
+        }
+        return;
+    case Q6_K:
+        for (int64_t b = 0; b < k / 256; b++, row += 210) {
+            const float d = half_at(row + 208);
+            const uint8_t *ql = row, *qh = row + 128;
+            const int8_t *sc = (const int8_t *)(row + 192);
+            for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, y += 128) {
+                for (int l = 0; l < 32; l++) {
+                    const int is = l / 16;
+                    const int q1 = (int)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                    const int q2 = (int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                    const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                    const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                    y[l] = d * (float)sc[is] * (float)q1;
+                    y[l + 32] = d * (float)sc[is + 2] * (float)q2;
+                    y[l + 64] = d * (float)sc[is + 4] * (float)q3;
+                    y[l + 96] = d * (float)sc[is + 6] * (float)q4;
+                }
+            }
+        }
+        return;
+    }
+}
+
+/* ---------------------------------------------------------------- dot products */
+
+/* out[r] = x · w[r] for r < TILE_ROWS (rows `ld` floats apart), k a multiple of 32. Each row's
+   sum is the same operations in the same order whatever the other rows hold. */
+static void tile_dots(const float *x, const float *w, int64_t ld, int64_t k, float *out) {
+#if defined(ISA_AVX512)
+    __m512 acc[TILE_ROWS][2];
+    for (int r = 0; r < TILE_ROWS; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 32) {
+        const __m512 x0 = _mm512_loadu_ps(x + i), x1 = _mm512_loadu_ps(x + i + 16);
+        for (int r = 0; r < TILE_ROWS; r++) {
+            acc[r][0] = _mm512_fmadd_ps(x0, _mm512_loadu_ps(w + r * ld + i), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(x1, _mm512_loadu_ps(w + r * ld + i + 16), acc[r][1]);
+        }
+    }
+    for (int r = 0; r < TILE_ROWS; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+#elif defined(ISA_AVX2)
+    __m256 acc[TILE_ROWS][2];
+    for (int r = 0; r < TILE_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i += 16) {
+        const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+        for (int r = 0; r < TILE_ROWS; r++) {
+            acc[r][0] = _mm256_fmadd_ps(x0, _mm256_loadu_ps(w + r * ld + i), acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(x1, _mm256_loadu_ps(w + r * ld + i + 8), acc[r][1]);
+        }
+    }
+    for (int r = 0; r < TILE_ROWS; r++) {
+        const __m256 sum8 = _mm256_add_ps(acc[r][0], acc[r][1]);
+        __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(sum8), _mm256_extractf128_ps(sum8, 1));
+        sum4 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
+        sum4 = _mm_add_ss(sum4, _mm_movehdup_ps(sum4));
+        out[r] = _mm_cvtss_f32(sum4);
+    }
+#else
+    float acc[TILE_ROWS][8];
+    for (int r = 0; r < TILE_ROWS; r++)
+        for (int j = 0; j < 8; j++) acc[r][j] = 0.0f;
+    for (int64_t i = 0; i < k; i += 8)
+        for (int r = 0; r < TILE_ROWS; r++)
+            for (int j = 0; j < 8; j++) acc[r][j] += x[i + j] * w[r * ld + i + j];
+    for (int r = 0; r < TILE_ROWS; r++)
+        out[r] = ((acc[r][0] + acc[r][4]) + (acc[r][2] + acc[r][6])) + ((acc[r][1] + acc[r][5]) + (acc[r][3] + acc[r][7]));
+#endif
+}
+
+/* ---------------------------------------------------------------- products */
+
+/* The tensor row and segment behind output row n. */
+static const uint8_t *source_row(const BlockMatrix *w, int64_t n, int64_t *type) {
+    for (int64_t s = 0; s < w->num_segments; s++) {
+        const Segment *segment = &w->segments[s];
+        if (n < segment->rows) {
+            const int64_t row = segment->row_map ? segment->row_map[n] : n;
+            *type = segment->type;
+            return segment->data + row * row_bytes(segment->type, w->in_features);
+        }
+        n -= segment->rows;
+    }
+    *type = -1;
+    return NULL;
+}
+
+/* Checks a matrix before it is used: every segment's format has a kernel and whole blocks, rows
+   add up. 0 when usable, else the index + 1 of the first bad segment (or -1: rows/columns). */
+int polylane_blocks_check(const BlockMatrix *w) {
+    int64_t rows = 0;
+    if (w->in_features % 32) return -1;
+    for (int64_t s = 0; s < w->num_segments; s++) {
+        int64_t block_bytes;
+        const int64_t elements = polylane_blocks_geometry(w->segments[s].type, &block_bytes);
+        if (elements == 0 || w->in_features % elements) return (int)s + 1;
+        rows += w->segments[s].rows;
+    }
+    return rows == w->out_features ? 0 : -1;
+}
+
+/* y (rows, out_features) = x (rows, in_features) · Wᵀ + bias. 0, or 1 when scratch memory ran out. */
+int polylane_blocks_matmul(const BlockMatrix *w, const float *x, int64_t rows, float *y, int threads) {
+    const int64_t k = w->in_features, n_total = w->out_features;
+    const int64_t tiles = (n_total + TILE_ROWS - 1) / TILE_ROWS;
+    int64_t x_block = X_BLOCK_BYTES / (k * 4);
+    if (x_block < 16) x_block = 16;
+    if (threads < 1) threads = 1;
+    float *buffers = aligned_alloc(64, (size_t)(threads * TILE_ROWS * k) * sizeof(float));
+    if (buffers == NULL) return 1;
+#pragma omp parallel num_threads(threads)
+    {
+        float *buffer = buffers + (int64_t)omp_get_thread_num() * TILE_ROWS * k;
+        for (int64_t m0 = 0; m0 < rows; m0 += x_block) {
+            const int64_t m1 = m0 + x_block < rows ? m0 + x_block : rows;
+#pragma omp for schedule(static)
+            for (int64_t tile = 0; tile < tiles; tile++) {
+                const int64_t n0 = tile * TILE_ROWS;
+                const int64_t count = n0 + TILE_ROWS <= n_total ? TILE_ROWS : n_total - n0;
+                for (int64_t r = 0; r < TILE_ROWS; r++) {
+                    if (r < count) {
+                        int64_t type;
+                        const uint8_t *source = source_row(w, n0 + r, &type);
+                        dequantise_row(type, source, k, buffer + r * k);
+                    } else {
+                        memcpy(buffer + r * k, buffer, (size_t)k * sizeof(float));
+                    }
+                }
+                for (int64_t m = m0; m < m1; m++) {
+                    float out[TILE_ROWS];
+                    tile_dots(x + m * k, buffer, k, k, out);
+                    for (int64_t r = 0; r < count; r++)
+                        y[m * n_total + n0 + r] = w->bias ? out[r] + w->bias[n0 + r] : out[r];
+                }
+            }
+        }
+    }
+    free(buffers);
+    return 0;
+}
+
+/* Rows `ids` (count of them) of a (?, k) tensor of `type` as float32 into out (count, k): the
+   embedding lookup. */
+void polylane_blocks_rows(int64_t type, const uint8_t *data, int64_t k, const int64_t *ids, int64_t count, float *out) {
+    const int64_t stride = row_bytes(type, k);
+    for (int64_t i = 0; i < count; i++) dequantise_row(type, data + ids[i] * stride, k, out + i * k);
+}
