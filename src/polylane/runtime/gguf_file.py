@@ -173,6 +173,13 @@ class GGUFFile:
         values = gguf.quants.dequantize(raw.reshape(rows, -1), quant_type)
         return np.asarray(values, dtype=np.float32).reshape(info.shape)
 
+    def raw(self, name: str) -> np.ndarray:
+        """Tensor `name`'s bytes as they lie in the mapping (a read-only view, rows × bytes per
+        row; nothing is read until used)."""
+        info = self.tensors[name]
+        rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+        return self._data[info.offset : info.offset + info.num_bytes].reshape(rows, -1)
+
     def type_name(self, name: str) -> str:
         import gguf
 

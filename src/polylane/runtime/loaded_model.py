@@ -12,7 +12,8 @@ from polylane.policy.layer_share import ModelDigest
 from polylane.runtime.converted import converted_path, load_converted, save_converted
 from polylane.runtime.device import model_device, place_model, resolve_device
 from polylane.runtime.digests import model_digest
-from polylane.runtime.loader import LoadedWeights, load_weights, parse_dtype
+from polylane.runtime.gguf_in_place import load_gguf_in_place
+from polylane.runtime.loader import AUTO, LoadedWeights, load_weights, parse_dtype, stored_16_bit
 from polylane.runtime.model_config import ModelConfig
 from polylane.runtime.models.base import DecoderModel
 from polylane.runtime.native.stack import NativeStack
@@ -54,7 +55,9 @@ def load_model(
     """Resolve (fetching a catalogue model on first use), read weights and tokenizer, and put the
     model on `device` ("auto": CUDA when torch sees a GPU, else CPU; see `runtime.device`).
 
-    A GGUF file is dequantised once per dtype; with `convert_cache` the result is kept as
+    dtype "auto" (the default of `serve`): a GGUF file computes from its own quantised blocks in
+    place (`runtime.gguf_in_place`) on the CPU, nothing converted; elsewhere see `auto_dtype`.
+    Otherwise a GGUF file is dequantised once per dtype; with `convert_cache` the result is kept as
     safetensors (`runtime.converted`) and later loads read that instead. dtype "int4" or "int8"
     gives the quantised twin (`runtime.quantize`): the float32 model with weight-only quantised
     projections (bf16 inside those kernels); its activations and KV are float32.
@@ -62,9 +65,15 @@ def load_model(
     target = resolve_device(device)  # a missing device fails before anything is read
     source = catalog.resolve(name_or_path, quiet=quiet)
     started = time.perf_counter()
+    in_place = dtype == AUTO and source.format == "gguf" and target.type == "cpu"
+    if dtype == AUTO and not in_place:
+        dtype = auto_dtype(source, target)
     quantised = dtype if isinstance(dtype, str) and dtype in QUANTISED_FORMATS else None
-    run_dtype = torch.float32 if quantised else parse_dtype(dtype)
-    weights = _load_weights(source, run_dtype, quiet, convert_cache)
+    run_dtype = torch.float32 if quantised or in_place else parse_dtype(dtype)
+    if in_place:
+        weights = load_gguf_in_place(source.path, progress=not quiet)
+    else:
+        weights = _load_weights(source, run_dtype, quiet, convert_cache)
     weight_bytes = weights.weight_bytes
     if quantised:
         quantize_model(weights.model, quantised)
@@ -90,6 +99,15 @@ def load_model(
     )
     loaded.load_seconds = time.perf_counter() - started
     return loaded
+
+
+def auto_dtype(source: catalog.ModelSource, target: torch.device) -> str:
+    """What dtype "auto" means where the file cannot be used in place: a GGUF file off the CPU
+    (the block kernels are CPU code) runs bf16 on CUDA; a Hugging Face folder keeps its own
+    dtype (bf16 when its tensors are 16-bit, else fp32)."""
+    if source.format == "gguf":
+        return "bf16" if target.type == "cuda" else "fp32"
+    return "bf16" if stored_16_bit(source.path) else "fp32"
 
 
 def _load_weights(

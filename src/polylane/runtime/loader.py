@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,10 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 
+# The dtype that means "the file's own": a GGUF file's quantised blocks used in place
+# (`runtime.gguf_in_place`), a Hugging Face folder's stored dtype.
+AUTO = "auto"
+
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -64,7 +68,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 # ---------------------------------------------------------------- GGUF
 
 
-def _open_gguf(path: Path) -> GGUFFile:
+def open_gguf(path: Path) -> GGUFFile:
     try:
         file = GGUFFile(path)
     except FileNotFoundError:
@@ -91,33 +95,43 @@ def _read_tensor(file: GGUFFile, name: str) -> np.ndarray:
         ) from None
 
 
-def _gguf_tensors(
-    file: GGUFFile, module: Any, config: ModelConfig, progress: bool
+GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def hf_name(gguf_name: str, module: Any) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or None for a tensor our decoder does not use (e.g.
+    precomputed rope tables)."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem in GGUF_TOP_NAMES:
+        return f"{GGUF_TOP_NAMES[stem]}.{suffix}"
+    if (match := re.match(r"^blk\.(\d+)\.(\w+)$", stem)) and match[2] in module.GGUF_LAYER_NAMES:
+        return f"model.layers.{match[1]}.{module.GGUF_LAYER_NAMES[match[2]]}.{suffix}"
+    return None
+
+
+def gguf_tensors(
+    file: GGUFFile, module: Any, config: ModelConfig, progress: bool, skip: frozenset[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (Hugging Face name, float32 tensor) for every tensor the decoder needs."""
-    top = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+    """Yield (Hugging Face name, float32 tensor) for every tensor the decoder needs, but those
+    named in `skip` (GGUF names)."""
     names = tqdm(
-        file.tensors,
+        [name for name in file.tensors if name not in skip],
         desc=f"loading {file.path.name}",
         unit="tensor",
         disable=not progress,
         leave=False,
     )
     for gguf_name in names:
-        stem, _, suffix = gguf_name.rpartition(".")
-        if stem in top:
-            hf_name = f"{top[stem]}.{suffix}"
-        elif (match := re.match(r"^blk\.(\d+)\.(\w+)$", stem)) and match[2] in module.GGUF_LAYER_NAMES:
-            hf_name = f"model.layers.{match[1]}.{module.GGUF_LAYER_NAMES[match[2]]}.{suffix}"
-        else:
-            continue  # tensors our decoder does not use (e.g. precomputed rope tables)
-        array = module.transform_gguf_tensor(hf_name, _read_tensor(file, gguf_name), config)
+        name = hf_name(gguf_name, module)
+        if name is None:
+            continue
+        array = module.transform_gguf_tensor(name, _read_tensor(file, gguf_name), config)
         if not array.flags.writeable or not array.flags.c_contiguous:
             array = np.array(array, order="C")  # memory-mapped F32 tensors are read-only
-        yield hf_name, torch.from_numpy(array)
+        yield name, torch.from_numpy(array)
 
 
-def _gguf_config(file: GGUFFile) -> tuple[type, Any, ModelConfig]:
+def gguf_config(file: GGUFFile) -> tuple[type, Any, ModelConfig]:
     arch = str(file.metadata["general.architecture"])
     if arch not in ARCHITECTURES:
         raise LoadError(
@@ -133,10 +147,10 @@ def _gguf_config(file: GGUFFile) -> tuple[type, Any, ModelConfig]:
 def load_gguf(path: str | Path, dtype: str | torch.dtype = "fp32", progress: bool = False) -> LoadedWeights:
     """Dequantise a GGUF file into our decoder; `progress` shows a bar on stderr."""
     path = Path(path)
-    file = _open_gguf(path)
-    model_class, module, config = _gguf_config(file)
-    tensors = _gguf_tensors(file, module, config, progress)
-    model = _build(model_class, config, parse_dtype(dtype), tensors, path)
+    file = open_gguf(path)
+    model_class, module, config = gguf_config(file)
+    tensors = gguf_tensors(file, module, config, progress)
+    model = build(model_class, config, parse_dtype(dtype), tensors, path)
     return LoadedWeights(config, model, _parameter_bytes(model))
 
 
@@ -186,7 +200,7 @@ def load_hf_folder(path: str | Path, dtype: str | torch.dtype = "fp32") -> Loade
                     except Exception as error:
                         raise LoadError(f"{file}: cannot read tensor {name!r} ({error})") from None
 
-    model = _build(model_class, config, parse_dtype(dtype), tensors(), path)
+    model = build(model_class, config, parse_dtype(dtype), tensors(), path)
     return LoadedWeights(config, model, _parameter_bytes(model))
 
 
@@ -204,22 +218,41 @@ def read_config(path: str | Path, format: str) -> ModelConfig:
     """The model's shape from its header or config.json alone (no tensor is read)."""
     path = Path(path)
     if format == "gguf":
-        return _gguf_config(_open_gguf(path))[2]
+        return gguf_config(open_gguf(path))[2]
     if format == "hf":
         return _hf_config(path)[1]
     raise ValueError(f"unknown model format {format!r}")
 
 
+def stored_16_bit(path: str | Path) -> bool:
+    """Whether a Hugging Face folder stores its weights in 16 bits (bf16 or f16)."""
+    from safetensors import safe_open
+
+    for file in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    return handle.get_slice(name).get_dtype() in ("BF16", "F16")
+        except Exception as error:
+            raise LoadError(f"{file}: not a readable safetensors file ({error})") from None
+    return False
+
+
 def estimate_weight_bytes(path: str | Path, format: str, dtype: str | torch.dtype = "fp32") -> int:
     """Bytes the weights will take at `dtype`, from the file's header alone (no tensor is read).
+    At "auto" a GGUF file costs its own tensors' bytes (they are used in place).
 
     Also the cheap validity check before anything is evicted for this model: a missing, truncated
     or corrupt file raises LoadError here.
     """
-    element_size = torch.empty(0, dtype=parse_dtype(dtype)).element_size()
     path = Path(path)
+    if dtype == AUTO:
+        if format == "gguf":
+            return sum(info.num_bytes for info in open_gguf(path).tensors.values())
+        dtype = "bf16" if format == "hf" and stored_16_bit(path) else "fp32"
+    element_size = torch.empty(0, dtype=parse_dtype(dtype)).element_size()
     if format == "gguf":
-        file = _open_gguf(path)
+        file = open_gguf(path)
         return sum(math.prod(info.shape) for info in file.tensors.values()) * element_size
     if format == "hf":
         from safetensors import safe_open
@@ -269,16 +302,22 @@ def _destination(hf_name: str, config: ModelConfig) -> tuple[str, int] | None:
     return f"layers.{index}.{rest}", 0
 
 
-def _build(
+def build(
     model_class: type[DecoderModel],
     config: ModelConfig,
     dtype: torch.dtype,
     tensors: Iterator[tuple[str, torch.Tensor]],
     path: Path,
+    in_place: Callable[[DecoderModel], None] | None = None,
 ) -> DecoderModel:
+    """Our decoder with its parameters filled from `tensors`; `in_place` first swaps in the
+    modules that compute from the file as it lies (`runtime.gguf_in_place`), whose weights are
+    then not expected from `tensors`."""
     with torch.device("meta"):
         model = model_class(config)
-        transposed = model.choose_layouts(dtype)  # filled column-wise: (in, out) layouts
+        transposed = set() if in_place else model.choose_layouts(dtype)  # filled column-wise: (in, out)
+    if in_place is not None:
+        in_place(model)
     # Gemma-style norms keep float32 weights (they multiply in float32); the rest takes `dtype`.
     float32_names: set[str] = set()
     for module_name, module in model.named_modules():
@@ -308,7 +347,7 @@ def _build(
         parameter = parameters.get(name)
         if parameter is None:
             continue
-        tensor = _to_runtime_order(hf_name, tensor, config)
+        tensor = to_runtime_order(hf_name, tensor, config)
         if name in float32_names:
             tensor = tensor + 1  # Gemma's 1 + w, folded once here
         rows = tensor.shape[0]
@@ -331,7 +370,7 @@ def _build(
     return model.eval()
 
 
-def _to_runtime_order(hf_name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+def to_runtime_order(hf_name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     """Q/K rows (and QK-norm weights) into interleaved rotary pairs (see `RotaryTable`)."""
     module_name = hf_name.rpartition(".")[0]
     if module_name.endswith("self_attn.q_proj"):

@@ -177,14 +177,14 @@ def _read_source(
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any], Callable[[Path], None]]:
     """(config, tensors by Hugging Face name as our loader receives them, config.json, and a
     function writing the tokenizer files into a folder)."""
-    from polylane.runtime.loader import _gguf_config, _gguf_tensors, _open_gguf, read_config
+    from polylane.runtime.loader import gguf_config, gguf_tensors, open_gguf, read_config
 
     if source.format == "gguf":
         from polylane.runtime.tokenizer import load_tokenizer
 
-        file = _open_gguf(source.path)
-        _, module, config = _gguf_config(file)
-        tensors = dict(_gguf_tensors(file, module, config, progress=False))
+        file = open_gguf(source.path)
+        _, module, config = gguf_config(file)
+        tensors = dict(gguf_tensors(file, module, config, progress=False))
         tokenizer = load_tokenizer(source)
 
         def write_tokenizer(folder: Path) -> None:
