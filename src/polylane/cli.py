@@ -16,7 +16,7 @@ import sys
 import time
 
 from polylane import catalog
-from polylane.types import WEIGHT_DTYPES
+from polylane.types import DEFAULT_DTYPE, WEIGHT_DTYPES
 
 DEVICE_HELP = "where models run: auto (default: CUDA when torch sees a GPU, else CPU), cpu, cuda or cuda:N"
 
@@ -244,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--dtype",
         choices=WEIGHT_DTYPES,
-        help="weight dtype for every model (int8/int4: weight-only quantised projections)",
+        help="weight dtype for every model (default auto: a GGUF file's own quantised blocks, used "
+        "in place; fp32/bf16: dequantised; int8/int4: weight-only re-quantised projections)",
     )
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
@@ -298,9 +299,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
     generate.add_argument(
         "--dtype",
-        default="fp32",
+        default=DEFAULT_DTYPE,
         choices=WEIGHT_DTYPES,
-        help="weight dtype (int8/int4: weight-only quantised projections)",
+        help="weight dtype (default auto: the file's own quantisation; int8/int4: weight-only "
+        "re-quantised projections)",
     )
     generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     generate.add_argument("--top-k", type=int, default=0, help="0 = off")

@@ -40,7 +40,7 @@ from polylane.runtime.residency import DEFAULT_KV_TOKENS, ModelLease, ResidencyM
 from polylane.runtime.runner import Runner
 from polylane.runtime.spec_setup import SpeculationSetup
 from polylane.runtime.tokenizer import ChatTemplateError, Tokenizer, load_tokenizer
-from polylane.types import SamplingParams, StepPlan, StepResult
+from polylane.types import DEFAULT_DTYPE, SamplingParams, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +295,7 @@ class Engine:
         name: str,
         source: str | None = None,
         *,
-        dtype: str = "fp32",
+        dtype: str = DEFAULT_DTYPE,
         pinned: bool = False,
         kv_tokens: int = DEFAULT_KV_TOKENS,
         speculation: SpeculationConfig | bool | str | list[str] | dict[str, Any] | None = None,

@@ -8,7 +8,9 @@ from polylane.policy.sequence_blocks import validate_tree
 
 # Weight dtypes a model can be served at: float32, bfloat16, or weight-only int8 / int4 projections
 # (`runtime.quantize`: torch's CPU kernels, float32 activations and KV around them).
-WEIGHT_DTYPES = ("fp32", "bf16", "int8", "int4")
+# "auto": the file's own — a GGUF file's quantised blocks computed in place (runtime.gguf_in_place)
+WEIGHT_DTYPES = ("auto", "fp32", "bf16", "int8", "int4")
+DEFAULT_DTYPE = "auto"
 
 # Below this a temperature samples as greedy does: dividing logits by, say, 1e-300 overflows the
 # sampler's floats to inf and NaN.

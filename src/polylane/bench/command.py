@@ -19,7 +19,7 @@ from typing import Any
 from polylane import catalog
 from polylane.bench.systems import BASELINES, DEFAULT_BASELINES, SPEC_MODES, VARIANT_PREFIX, with_mode
 from polylane.bench.workloads import DEFAULTS, PROMPT_CATEGORIES, SPEC_CATEGORIES, WORKLOADS
-from polylane.types import WEIGHT_DTYPES
+from polylane.types import DEFAULT_DTYPE, WEIGHT_DTYPES
 
 SMALL_MODELS = ("smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-instruct")
 DEFAULT_MODELS = {
@@ -111,7 +111,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     bench.add_argument(
         "--dtype",
-        default="fp32",
+        default=DEFAULT_DTYPE,
         choices=WEIGHT_DTYPES,
         help="weight dtype, every system (transformers runs int8/int4 at bf16: it has no such CPU kernels)",
     )

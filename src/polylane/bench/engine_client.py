@@ -33,7 +33,7 @@ from polylane.bench.workloads import BenchRequest, document
 from polylane.engine import Engine, EngineConfig, RequestHandle
 from polylane.policy.scheduler import SchedulerConfig
 from polylane.runtime.residency import ResidencyManager
-from polylane.types import SamplingParams
+from polylane.types import DEFAULT_DTYPE, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class EngineSetup:
     """How to build the engine of one bench system."""
 
     models: tuple[tuple[str, str], ...]  # (served name, catalogue name or path)
-    dtype: str = "fp32"
+    dtype: str = DEFAULT_DTYPE
     budget_bytes: int = 64 * 2**30
     kv_tokens: int = 2048
     lane_policy: str = "throughput"

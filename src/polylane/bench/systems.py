@@ -44,6 +44,7 @@ from typing import Any, TextIO
 
 from polylane.bench.metrics import EngineCounters, RequestTimeline, merge_counters
 from polylane.bench.workloads import Phase
+from polylane.types import DEFAULT_DTYPE
 
 SPEC_MODES = ("auto", "chain", "tree")
 VARIANT_PREFIX = "polylane-"  # polylane-<mode>: polylane with its speculation mode forced
@@ -76,7 +77,7 @@ class SystemSettings:
     """What every local system is built with."""
 
     models: tuple[tuple[str, str], ...]  # (served name, catalogue name or path)
-    dtype: str = "fp32"
+    dtype: str = DEFAULT_DTYPE
     budget_bytes: int = 64 * 2**30
     kv_tokens: int = 2048
     lane_policy: str = "throughput"

@@ -66,11 +66,24 @@ def library() -> ctypes.CDLL:
             "the GGUF block kernels need a C compiler (cc or gcc) and POLYLANE_NATIVE not set to 0"
         )
     if not getattr(lib, "_polylane_typed", False):
-        lib.polylane_blocks_matmul.argtypes = [ctypes.POINTER(BlockMatrix), _pointer, ctypes.c_int64, _pointer, ctypes.c_int]
+        lib.polylane_blocks_matmul.argtypes = [
+            ctypes.POINTER(BlockMatrix),
+            _pointer,
+            ctypes.c_int64,
+            _pointer,
+            ctypes.c_int,
+        ]
         lib.polylane_blocks_matmul.restype = ctypes.c_int
         lib.polylane_blocks_check.argtypes = [ctypes.POINTER(BlockMatrix)]
         lib.polylane_blocks_check.restype = ctypes.c_int
-        lib.polylane_blocks_rows.argtypes = [ctypes.c_int64, _pointer, ctypes.c_int64, _pointer, ctypes.c_int64, _pointer]
+        lib.polylane_blocks_rows.argtypes = [
+            ctypes.c_int64,
+            _pointer,
+            ctypes.c_int64,
+            _pointer,
+            ctypes.c_int64,
+            _pointer,
+        ]
         lib.polylane_blocks_rows.restype = None
         lib.polylane_blocks_isa.restype = ctypes.c_int
         lib._polylane_typed = True
@@ -128,7 +141,9 @@ class BlockProjection(nn.Module):
         super().__init__()
         columns = {part.columns for part in parts}
         if len(columns) != 1:
-            raise ValueError(f"tensors {[p.name for p in parts]} have different row lengths {sorted(columns)}")
+            raise ValueError(
+                f"tensors {[p.name for p in parts]} have different row lengths {sorted(columns)}"
+            )
         self.in_features = columns.pop()
         self.out_features = sum(part.rows for part in parts)
         self.formats = tuple(part.format_name for part in parts)
@@ -137,7 +152,9 @@ class BlockProjection(nn.Module):
         for index, (part, row_map) in enumerate(zip(parts, row_maps, strict=True)):
             self.register_buffer(f"blocks_{index}", file_bytes(part.data), persistent=True)
             if row_map is not None:
-                self.register_buffer(f"row_map_{index}", torch.from_numpy(np.asarray(row_map, dtype=np.int64)))
+                self.register_buffer(
+                    f"row_map_{index}", torch.from_numpy(np.asarray(row_map, dtype=np.int64))
+                )
             self._segments[index].type = part.type_id
             self._segments[index].rows = part.rows
         self._num_segments = len(parts)
@@ -155,7 +172,7 @@ class BlockProjection(nn.Module):
             self._segments[index].row_map = None if row_map is None else row_map.data_ptr()
         self._matrix.bias = None if self.bias is None else self.bias.data_ptr()
 
-    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+    def _apply(self, fn, recurse=True):
         result = super()._apply(fn, recurse)
         self._refresh()
         return result
@@ -193,10 +210,17 @@ class BlockEmbedding(nn.Module):
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         ids = token_ids.reshape(-1).to(torch.int64).contiguous()
         if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.num_embeddings:
-            raise IndexError(f"token ids must lie in [0, {self.num_embeddings}), got {ids.min()}..{ids.max()}")
+            raise IndexError(
+                f"token ids must lie in [0, {self.num_embeddings}), got {ids.min()}..{ids.max()}"
+            )
         out = torch.empty(ids.shape[0], self.embedding_dim)
         library().polylane_blocks_rows(
-            self.type_id, self.blocks_0.data_ptr(), self.embedding_dim, ids.data_ptr(), ids.shape[0], out.data_ptr()
+            self.type_id,
+            self.blocks_0.data_ptr(),
+            self.embedding_dim,
+            ids.data_ptr(),
+            ids.shape[0],
+            out.data_ptr(),
         )
         return out.reshape(*token_ids.shape, self.embedding_dim)
 
@@ -206,7 +230,7 @@ def block_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def formats_summary(model: nn.Module) -> str:
-    """"Q4_K ×169, Q6_K ×29": how many of a model's file tensors are used in each format."""
+    """ "Q4_K ×169, Q6_K ×29": how many of a model's file tensors are used in each format."""
     counts: dict[str, int] = {}
     for module in block_modules(model):
         for name in module.formats if isinstance(module, BlockProjection) else (module.format,):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from polylane.runtime import block_weights
 from polylane.runtime.cpu_load import TORCH_DEFAULT_THREADS, usable_cpus
 from polylane.runtime.native import build
 from polylane.runtime.native import stack as native
@@ -59,17 +60,28 @@ def why_not_native() -> str:
     return native_unavailable_reason() or native.int4_packing_problem() or "no native kernel fits its shapes"
 
 
+def auto_path(torch_path: str) -> str:
+    """What dtype auto computes with here: a GGUF file's blocks in place, or why not."""
+    try:
+        isa = block_weights.isa_name()
+    except block_weights.BlockKernelsUnavailable as error:
+        return f"{torch_path} on fp32 weights: {error}"
+    return f"a GGUF file's own blocks in place ({isa} block kernels), {torch_path} between them"
+
+
 def dtype_paths() -> dict[str, str]:
     """dtype → "native (KERNEL)" or "torch (CAPABILITY)" (+ why not native)."""
     torch_path = f"torch ({torch.backends.cpu.get_cpu_capability()})"
     reason = native_unavailable_reason()
     if reason is not None:
-        return {dtype: f"{torch_path}: {reason}" for dtype in WEIGHT_DTYPES}
-    kernel = native.kernel_name()
-    paths = {dtype: f"native ({kernel})" for dtype in WEIGHT_DTYPES}
-    packing = native.int4_packing_problem()
-    if packing is not None:
-        paths["int4"] = f"{torch_path}: {packing}"
+        paths = {dtype: f"{torch_path}: {reason}" for dtype in WEIGHT_DTYPES}
+    else:
+        kernel = native.kernel_name()
+        paths = {dtype: f"native ({kernel})" for dtype in WEIGHT_DTYPES}
+        packing = native.int4_packing_problem()
+        if packing is not None:
+            paths["int4"] = f"{torch_path}: {packing}"
+    paths["auto"] = auto_path(torch_path)
     return paths
 
 

@@ -64,12 +64,12 @@ def load_gguf_in_place(path: str | Path, progress: bool = False) -> LoadedWeight
             raise LoadError(f"{path}: {problem}; load it with --dtype fp32 or bf16 (dequantised) instead")
         return block
 
-    used: set[str] = set()
-
     def projection(names: tuple[str, ...], bias: bool) -> BlockProjection:
         parts = [tensor(f"{name}.weight") for name in names]
-        used.update(part.name for part in parts)
-        maps = [_row_map(module, f"{name}.weight", part.rows, config) for name, part in zip(names, parts, strict=True)]
+        maps = [
+            _row_map(module, f"{name}.weight", part.rows, config)
+            for name, part in zip(names, parts, strict=True)
+        ]
         try:
             return BlockProjection(parts, maps, bias=bias)
         except ValueError as error:
@@ -82,7 +82,6 @@ def load_gguf_in_place(path: str | Path, progress: bool = False) -> LoadedWeight
                 bias = child == "qkv_proj" and config.qkv_bias
                 setattr(getattr(layer, parent), child, projection(full, bias))
         embedding = tensor("model.embed_tokens.weight")
-        used.add(embedding.name)
         model.embed_tokens = BlockEmbedding(embedding)  # type: ignore[assignment]
         model.vocab_columns = None
         if config.tie_embeddings:
@@ -91,7 +90,9 @@ def load_gguf_in_place(path: str | Path, progress: bool = False) -> LoadedWeight
             model.lm_head = projection(("lm_head",), False)  # type: ignore[assignment]
 
     skip = frozenset(_block_tensor_names(file, module, config))
-    model = build(model_class, config, torch.float32, gguf_tensors(file, module, config, progress, skip), path, swap_in)
+    model = build(
+        model_class, config, torch.float32, gguf_tensors(file, module, config, progress, skip), path, swap_in
+    )
     return LoadedWeights(config, model, distinct_bytes(model))
 
 

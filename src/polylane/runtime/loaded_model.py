@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -9,6 +10,8 @@ import torch
 
 from polylane import catalog
 from polylane.policy.layer_share import ModelDigest
+from polylane.runtime.block_weights import BlockKernelsUnavailable, formats_summary
+from polylane.runtime.block_weights import isa_name as block_isa_name
 from polylane.runtime.converted import converted_path, load_converted, save_converted
 from polylane.runtime.device import model_device, place_model, resolve_device
 from polylane.runtime.digests import model_digest
@@ -17,8 +20,20 @@ from polylane.runtime.loader import AUTO, LoadedWeights, load_weights, parse_dty
 from polylane.runtime.model_config import ModelConfig
 from polylane.runtime.models.base import DecoderModel
 from polylane.runtime.native.stack import NativeStack
+from polylane.runtime.native.stack import kernel_name as native_kernel_name
 from polylane.runtime.quantize import QUANTISED_FORMATS, module_bytes, quantize_model
 from polylane.runtime.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def block_kernels_problem() -> str | None:
+    """Why the GGUF block kernels cannot run here (no C compiler, native code off), or None."""
+    try:
+        block_isa_name()
+    except BlockKernelsUnavailable as error:
+        return str(error)
+    return None
 
 
 @dataclass
@@ -35,6 +50,9 @@ class LoadedModel:
     # The KV cache's element type (None: the activations' dtype). int4 and int8 models on the native stack
     # keep bf16 K/V: a decode step streams the cache, and bf16 halves it, as llama.cpp's f16 does.
     kv_cache_dtype: torch.dtype | None = None
+    # what computes it, said for the load log: the formats and kernels ("Q4_K ×169, Q6_K ×29 read
+    # in place by the avx2 block kernels, torch between", "native stack (amx)", "torch (AVX2)")
+    compute_path: str = ""
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -66,6 +84,9 @@ def load_model(
     source = catalog.resolve(name_or_path, quiet=quiet)
     started = time.perf_counter()
     in_place = dtype == AUTO and source.format == "gguf" and target.type == "cpu"
+    if in_place and (problem := block_kernels_problem()) is not None:
+        log.warning("%s: %s; dtype auto dequantises it to fp32 instead", source.name, problem)
+        in_place = False
     if dtype == AUTO and not in_place:
         dtype = auto_dtype(source, target)
     quantised = dtype if isinstance(dtype, str) and dtype in QUANTISED_FORMATS else None
@@ -85,6 +106,17 @@ def load_model(
     place_model(weights.model, target)
     weights.model.native_stack = NativeStack.build(weights.model)
     native_quantised = weights.model.native_stack is not None and quantised is not None
+    if weights.model.native_stack is not None:
+        path = f"native stack ({native_kernel_name()})"
+    elif in_place:
+        kernels = f"the {block_isa_name()} block kernels"
+        path = f"{formats_summary(weights.model)} read in place by {kernels}, torch between"
+    else:
+        path = (
+            f"torch ({torch.backends.cpu.get_cpu_capability()})"
+            if target.type == "cpu"
+            else f"torch ({target})"
+        )
     loaded = LoadedModel(
         name=source.name,
         source=source,
@@ -96,6 +128,7 @@ def load_model(
         load_seconds=0.0,
         digest=digest,
         kv_cache_dtype=torch.bfloat16 if native_quantised else None,
+        compute_path=path,
     )
     loaded.load_seconds = time.perf_counter() - started
     return loaded

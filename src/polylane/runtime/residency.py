@@ -44,9 +44,10 @@ from polylane.policy.residency import (
 from polylane.runtime.device import resolve_device
 from polylane.runtime.load_thread import run_in_transient_thread
 from polylane.runtime.loaded_model import LoadedModel, load_model
-from polylane.runtime.loader import LoadError, estimate_weight_bytes, parse_dtype
+from polylane.runtime.loader import AUTO, LoadError, estimate_weight_bytes, parse_dtype
 from polylane.runtime.model_kv import ModelKV
 from polylane.runtime.quantize import QUANTISED_FORMATS
+from polylane.types import DEFAULT_DTYPE
 
 log = logging.getLogger(__name__)
 
@@ -155,13 +156,13 @@ class ResidencyManager:
         self,
         name: str,
         source: str | None = None,
-        dtype: str = "fp32",
+        dtype: str = DEFAULT_DTYPE,
         pinned: bool = False,
         kv_tokens: int = DEFAULT_KV_TOKENS,
     ) -> None:
         """Declare a model (cold). Its size is estimated from the file header when the file is
         already on disk (nothing is fetched here), else when it is first loaded."""
-        if dtype not in QUANTISED_FORMATS:
+        if dtype not in (*QUANTISED_FORMATS, AUTO):
             parse_dtype(dtype)
         if kv_tokens < self.block_size:
             raise ResidencyError(f"model {name!r}: kv_tokens must be >= {self.block_size}, got {kv_tokens}")
@@ -313,13 +314,14 @@ class ResidencyManager:
         measured = model.weight_bytes + kv.cache.nbytes
         rss_delta = psutil.Process().memory_info().rss - rss_before
         log.info(
-            "loaded %s (%s, %s) in %.2f s: %.1f MiB weights + %.1f MiB KV",
+            "loaded %s (%s, %s) in %.2f s: %.1f MiB weights + %.1f MiB KV; computed by %s",
             spec.name,
             spec.source,
             spec.dtype,
             seconds,
             model.weight_bytes / 2**20,
             kv.cache.nbytes / 2**20,
+            model.compute_path,
         )
         return ResidentModel(model, kv, measured, seconds, rss_delta)
 

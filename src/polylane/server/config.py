@@ -10,7 +10,7 @@ A config file declares models and limits:
     [[models]]
     name = "smollm2"                   # the name clients send as `model`
     source = "smollm2-135m-instruct"   # catalogue name, .gguf file or Hugging Face folder
-    dtype = "fp32"                     # fp32 | bf16 | int8 | int4
+    dtype = "auto"                     # auto (the file's own) | fp32 | bf16 | int8 | int4
     pinned = true
     aliases = ["default"]
     kv_tokens = 4096
@@ -51,7 +51,7 @@ from polylane import catalog
 from polylane.policy.spec_control import SpeculationConfig
 from polylane.runtime.residency import DEFAULT_KV_TOKENS
 from polylane.runtime.siblings import SiblingError, SiblingSpec, ensure_sibling, sibling_path
-from polylane.types import WEIGHT_DTYPES
+from polylane.types import DEFAULT_DTYPE, WEIGHT_DTYPES
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -64,7 +64,7 @@ class ConfigError(ValueError):
 class ModelDecl:
     name: str
     source: str
-    dtype: str = "fp32"
+    dtype: str = DEFAULT_DTYPE
     pinned: bool = False
     aliases: tuple[str, ...] = ()
     kv_tokens: int = DEFAULT_KV_TOKENS
@@ -168,7 +168,7 @@ def models_from_file(data: dict[str, Any], path: str | Path) -> list[ModelDecl]:
         aliases = entry.get("aliases", [])
         if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
             raise ConfigError(f"{where}: aliases must be a list of strings")
-        if entry.get("dtype", "fp32") not in WEIGHT_DTYPES:
+        if entry.get("dtype", DEFAULT_DTYPE) not in WEIGHT_DTYPES:
             raise ConfigError(f"{where}: dtype must be one of {', '.join(WEIGHT_DTYPES)}")
         sibling_of, sibling = _sibling(entry, where)
         source = entry.get("source", entry["name"])
@@ -181,7 +181,7 @@ def models_from_file(data: dict[str, Any], path: str | Path) -> list[ModelDecl]:
             ModelDecl(
                 name=entry["name"],
                 source=str(source),
-                dtype=entry.get("dtype", "fp32"),
+                dtype=entry.get("dtype", DEFAULT_DTYPE),
                 pinned=bool(entry.get("pinned", False)),
                 aliases=tuple(aliases),
                 kv_tokens=int(entry.get("kv_tokens", DEFAULT_KV_TOKENS)),
