@@ -32,6 +32,8 @@ other CPU, ARM included).
 #elif !defined(POLYLANE_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
 #define ISA_AVX2 1
 #include <immintrin.h>
+#elif !defined(POLYLANE_PORTABLE) && defined(__F16C__)
+#include <immintrin.h>
 #endif
 
 /* ggml's type ids (the values stored in a GGUF tensor info) */
@@ -67,6 +69,9 @@ int polylane_blocks_isa(void) {
 
 /* ---------------------------------------------------------------- formats */
 
+#if !defined(POLYLANE_PORTABLE) && defined(__F16C__)
+static inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+#else
 static inline float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
     uint32_t bits;
@@ -83,6 +88,7 @@ static inline float half_to_float(uint16_t h) {
     memcpy(&value, &bits, 4);
     return value;
 }
+#endif
 
 static inline float half_at(const uint8_t *p) {
     uint16_t h;
@@ -125,7 +131,7 @@ static int64_t row_bytes(int64_t type, int64_t k) {
 }
 
 /* One row of k elements of `type` at `row` as float32, the values ggml's dequantize_row_* gives. */
-static void dequantise_row(int64_t type, const uint8_t *row, int64_t k, float *y) {
+static void dequantise_row(int64_t type, const uint8_t *restrict row, int64_t k, float *restrict y) {
     switch (type) {
     case F32:
         memcpy(y, row, (size_t)k * 4);
@@ -144,21 +150,17 @@ static void dequantise_row(int64_t type, const uint8_t *row, int64_t k, float *y
     case Q4_0:
         for (int64_t b = 0; b < k / 32; b++, row += 18, y += 32) {
             const float d = half_at(row);
-            const uint8_t *qs = row + 2;
-            for (int j = 0; j < 16; j++) {
-                y[j] = (float)((qs[j] & 0xF) - 8) * d;
-                y[j + 16] = (float)((qs[j] >> 4) - 8) * d;
-            }
+            const uint8_t *restrict qs = row + 2;
+            for (int j = 0; j < 16; j++) y[j] = (float)((qs[j] & 0xF) - 8) * d;
+            for (int j = 0; j < 16; j++) y[j + 16] = (float)((qs[j] >> 4) - 8) * d;
         }
         return;
     case Q4_1:
         for (int64_t b = 0; b < k / 32; b++, row += 20, y += 32) {
             const float d = half_at(row), m = half_at(row + 2);
-            const uint8_t *qs = row + 4;
-            for (int j = 0; j < 16; j++) {
-                y[j] = (float)(qs[j] & 0xF) * d + m;
-                y[j + 16] = (float)(qs[j] >> 4) * d + m;
-            }
+            const uint8_t *restrict qs = row + 4;
+            for (int j = 0; j < 16; j++) y[j] = (float)(qs[j] & 0xF) * d + m;
+            for (int j = 0; j < 16; j++) y[j + 16] = (float)(qs[j] >> 4) * d + m;
         }
         return;
     case Q5_0:
@@ -166,12 +168,9 @@ static void dequantise_row(int64_t type, const uint8_t *row, int64_t k, float *y
             const float d = half_at(row);
             uint32_t qh;
             memcpy(&qh, row + 2, 4);
-            const uint8_t *qs = row + 6;
-            for (int j = 0; j < 16; j++) {
-                const int high0 = ((qh >> j) << 4) & 0x10, high1 = (qh >> (j + 12)) & 0x10;
-                y[j] = (float)(((qs[j] & 0xF) | high0) - 16) * d;
-                y[j + 16] = (float)(((qs[j] >> 4) | high1) - 16) * d;
-            }
+            const uint8_t *restrict qs = row + 6;
+            for (int j = 0; j < 16; j++) y[j] = (float)((int)((qs[j] & 0xF) | (((qh >> j) << 4) & 0x10)) - 16) * d;
+            for (int j = 0; j < 16; j++) y[j + 16] = (float)((int)((qs[j] >> 4) | ((qh >> (j + 12)) & 0x10)) - 16) * d;
         }
         return;
     case Q5_1:
@@ -179,12 +178,9 @@ static void dequantise_row(int64_t type, const uint8_t *row, int64_t k, float *y
             const float d = half_at(row), m = half_at(row + 2);
             uint32_t qh;
             memcpy(&qh, row + 4, 4);
-            const uint8_t *qs = row + 8;
-            for (int j = 0; j < 16; j++) {
-                const int high0 = ((qh >> j) << 4) & 0x10, high1 = (qh >> (j + 12)) & 0x10;
-                y[j] = (float)((qs[j] & 0xF) | high0) * d + m;
-                y[j + 16] = (float)((qs[j] >> 4) | high1) * d + m;
-            }
+            const uint8_t *restrict qs = row + 8;
+            for (int j = 0; j < 16; j++) y[j] = (float)((qs[j] & 0xF) | (((qh >> j) << 4) & 0x10)) * d + m;
+            for (int j = 0; j < 16; j++) y[j + 16] = (float)((qs[j] >> 4) | ((qh >> (j + 12)) & 0x10)) * d + m;
         }
         return;
     case Q8_0:
@@ -228,20 +224,47 @@ static void dequantise_row(int64_t type, const uint8_t *row, int64_t k, float *y
     case Q6_K:
         for (int64_t b = 0; b < k / 256; b++, row += 210) {
             const float d = half_at(row + 208);
-            const uint8_t *ql = row, *qh = row + 128;
+            const uint8_t *restrict ql = row, *restrict qh = row + 128;
             const int8_t *sc = (const int8_t *)(row + 192);
             for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, y += 128) {
-                for (int l = 0; l < 32; l++) {
-                    const int is = l / 16;
-                    const int q1 = (int)((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
-                    const int q2 = (int)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-                    const int q3 = (int)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-                    const int q4 = (int)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-                    y[l] = d * (float)sc[is] * (float)q1;
-                    y[l + 32] = d * (float)sc[is + 2] * (float)q2;
-                    y[l + 64] = d * (float)sc[is + 4] * (float)q3;
-                    y[l + 96] = d * (float)sc[is + 6] * (float)q4;
-                }
+                /* ggml's order: quarter q of the 128 (element l + 32q) takes scale sc[l / 16 + 2q];
+                   its low 4 bits from ql (quarters 0, 1: low nibbles of ql[l], ql[l + 32]; 2, 3:
+                   their high nibbles), its high 2 bits from qh[l] >> 2q */
+#if !defined(POLYLANE_PORTABLE) && defined(__AVX2__)
+#define Q6_PART(q, part, low, shift_low)                                                          \
+    do {                                                                                          \
+        const __m256 scale = _mm256_set1_ps(d * (float)sc[(part) + 2 * (q)]);                     \
+        const __m128i mask4 = _mm_set1_epi8(0x0F), mask2 = _mm_set1_epi8(3);                      \
+        const __m128i lo = _mm_and_si128(                                                         \
+            _mm_srli_epi16(_mm_loadu_si128((const __m128i *)((low) + 16 * (part))), shift_low), mask4); \
+        const __m128i hi = _mm_slli_epi16(                                                        \
+            _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(qh + 16 * (part))), 2 * (q)), mask2), 4); \
+        const __m128i codes = _mm_or_si128(lo, hi);                                               \
+        const __m256i bias = _mm256_set1_epi32(32);                                               \
+        const __m256i first = _mm256_sub_epi32(_mm256_cvtepu8_epi32(codes), bias);                \
+        const __m256i second = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)), bias); \
+        float *out = y + 32 * (q) + 16 * (part);                                                  \
+        _mm256_storeu_ps(out, _mm256_mul_ps(scale, _mm256_cvtepi32_ps(first)));                   \
+        _mm256_storeu_ps(out + 8, _mm256_mul_ps(scale, _mm256_cvtepi32_ps(second)));              \
+    } while (0)
+#else
+#define Q6_PART(q, part, low, shift_low)                                                          \
+    do {                                                                                          \
+        const float scale = d * (float)sc[(part) + 2 * (q)];                                      \
+        for (int l = 16 * (part); l < 16 * (part) + 16; l++)                                      \
+            y[32 * (q) + l] = scale * (float)(((((low)[l] >> (shift_low)) & 0xF) |                \
+                                               (((qh[l] >> (2 * (q))) & 3) << 4)) - 32);            \
+    } while (0)
+#endif
+                Q6_PART(0, 0, ql, 0);
+                Q6_PART(0, 1, ql, 0);
+                Q6_PART(1, 0, ql + 32, 0);
+                Q6_PART(1, 1, ql + 32, 0);
+                Q6_PART(2, 0, ql, 4);
+                Q6_PART(2, 1, ql, 4);
+                Q6_PART(3, 0, ql + 32, 4);
+                Q6_PART(3, 1, ql + 32, 4);
+#undef Q6_PART
             }
         }
         return;
