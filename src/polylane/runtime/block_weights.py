@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from polylane.runtime.native.build import load_library
+from polylane.runtime.native.build import NATIVE_ENV, enabled, load_library
 
 # ggml type ids with a kernel in blocks.c, by name
 BLOCK_FORMATS = {
@@ -62,9 +62,9 @@ def library() -> ctypes.CDLL:
     """blocks.c compiled for this machine; BlockKernelsUnavailable where it cannot be."""
     lib = load_library("blocks")
     if lib is None:
-        raise BlockKernelsUnavailable(
-            "the GGUF block kernels need a C compiler (cc or gcc) and POLYLANE_NATIVE not set to 0"
-        )
+        if not enabled():
+            raise BlockKernelsUnavailable(f"native kernels are turned off ({NATIVE_ENV}=0)")
+        raise BlockKernelsUnavailable("the GGUF block kernels need a C compiler (cc or gcc); see the log")
     if not getattr(lib, "_polylane_typed", False):
         lib.polylane_blocks_matmul.argtypes = [
             ctypes.POINTER(BlockMatrix),

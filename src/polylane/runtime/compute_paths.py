@@ -51,6 +51,8 @@ def native_unavailable_reason() -> str | None:
         return None
     if build.load_library("decoder") is None:
         return "the native stack has no C compiler, or its build failed (see the log)"
+    if build.portable():
+        return f"the native stack has no portable C path ({build.PORTABLE_ENV}=1)"
     march = next(flag for flag in build.compile_flags() if flag.startswith("-march="))
     return f"the native stack needs AVX512-BF16 and AVX512-VBMI, which {march} lacks"
 

@@ -6,7 +6,8 @@ that changes with the source, the compiler, the flags and the CPU, and loading i
 missing compiler or a failed build is not an error: `load_library` returns None (and logs why
 once) and callers keep their torch path. `POLYLANE_NATIVE=0` turns the kernels off;
 `POLYLANE_NATIVE_MARCH=haswell` (any `-march` value) builds for an older instruction set than the
-CPU's, so that one machine can run what another family gets (e.g. an AVX2-only CPU's paths).
+CPU's, so that one machine can run what another family gets (e.g. an AVX2-only CPU's paths);
+`POLYLANE_NATIVE_PORTABLE=1` builds the portable C paths, with no intrinsics (what ARM gets).
 
 The library links the OpenMP runtime by its soname, libgomp.so.1, which torch has already loaded:
 the kernels and torch share one OpenMP thread team (two teams on two cores made every parallel op
@@ -34,12 +35,20 @@ log = logging.getLogger(__name__)
 
 NATIVE_ENV = "POLYLANE_NATIVE"
 MARCH_ENV = "POLYLANE_NATIVE_MARCH"
+PORTABLE_ENV = "POLYLANE_NATIVE_PORTABLE"
 SOURCE_DIR = Path(__file__).parent
+
+
+def portable() -> bool:
+    """Whether the kernels are built without x86 intrinsics (POLYLANE_NATIVE_PORTABLE=1): the C
+    an ARM or any other CPU compiles, forced here to test it."""
+    return os.environ.get(PORTABLE_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def compile_flags() -> tuple[str, ...]:
     march = os.environ.get(MARCH_ENV, "").strip() or "native"
-    return ("-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+    flags = ("-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+    return (*flags, "-DPOLYLANE_PORTABLE") if portable() else flags
 
 
 def enabled() -> bool:

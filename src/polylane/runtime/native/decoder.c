@@ -147,14 +147,14 @@ typedef struct {
 } Runs;
 
 int polylane_supported(void) {
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && !defined(POLYLANE_PORTABLE)
     return 1;
 #else
     return 0;
 #endif
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && !defined(POLYLANE_PORTABLE)
 
 /* One row of activations (K) as bf16 column pairs and its bf16 sums per group (K/32). */
 static void prepare_row(const float *x, int64_t k, uint16_t *x16, float *group_sums) {

@@ -1,0 +1,87 @@
+"""dtype auto on the real catalogue files: the file's own blocks, used in place, close to the file.
+
+For each model, the logits at every position of a prompt of 200+ tokens agree with an fp32 forward
+of the same file's weights dequantised by the `gguf` package (our fp32 load): top-1 agreement and
+mean-abs difference are printed and recorded. The model costs its file's tensor bytes (nothing
+converted, nothing cached on disk), and a verify pass gives the decode steps' tokens and logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from polylane.runtime.loader import estimate_weight_bytes
+from polylane.runtime.model_kv import Extend, ModelKV
+from tests.conftest import fetch_or_skip
+
+TEXT = " ".join(
+    f"Item {i}: the {['red', 'green', 'blue', 'amber'][i % 4]} box holds {i * 7 % 23} stones." for i in range(30)
+)
+POSITIONS = 240
+MODELS = [
+    "smollm2-135m-instruct",
+    "gemma3-270m",
+    "qwen2.5-coder-0.5b-instruct",
+    pytest.param("qwen2.5-coder-1.5b-instruct", marks=pytest.mark.slow),
+]
+
+
+def _all_logits(model, ids: tuple[int, ...]) -> torch.Tensor:
+    kv = ModelKV(model, num_blocks=-(-len(ids) // 16) + 2, block_size=16, prefix_cache=False)
+    sequence = kv.open(ids)
+    logits = kv.forward([Extend(sequence, ids, logits="all")])
+    kv.close(sequence, cache=False)
+    return torch.stack(list(logits)) if isinstance(logits, list) else logits
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_stay_close_to_the_dequantised_file(load_real_model, name, record_property):
+    fetch_or_skip(name)
+    ours = load_real_model(name, "auto")
+    reference = load_real_model(name, "fp32")
+    ids = tuple(ours.tokenizer.encode(TEXT))[:POSITIONS]
+    assert len(ids) >= 200
+    got, expected = _all_logits(ours, ids), _all_logits(reference, ids)
+    top1 = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    mean_abs = (got - expected).abs().mean().item()
+    record_property("top1_agreement", top1)
+    record_property("mean_abs", mean_abs)
+    print(f"{name} auto ({ours.compute_path}) vs fp32 over {len(ids)} positions: top-1 {top1:.4f}, mean-abs {mean_abs:.2e}")
+    assert top1 >= 0.99 and mean_abs < 1e-4, (top1, mean_abs)
+
+
+@pytest.mark.parametrize("name", MODELS[:3])
+def test_the_model_costs_its_files_bytes_and_nothing_is_converted(load_real_model, name, tmp_path, monkeypatch):
+    source = fetch_or_skip(name)
+    monkeypatch.setenv("POLYLANE_CACHE_DIR", str(tmp_path))  # a conversion would land here
+    from polylane.runtime.loaded_model import load_model
+
+    model = load_model(str(source.path), "auto", quiet=True)
+    file_bytes = estimate_weight_bytes(source.path, "gguf", "auto")
+    assert model.weight_bytes <= 1.05 * file_bytes, (model.weight_bytes, file_bytes)
+    assert "read in place" in model.compute_path
+    assert not list(tmp_path.rglob("*.safetensors"))
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
+def test_a_verify_pass_equals_the_decode_steps(load_real_model, name):
+    """Same greedy tokens, logits within float32 noise: the block products are the same bits
+    whatever the batch (test_block_weights.py); torch's attention between them is not bit-exact
+    across batch shapes, as on the fp32 path (test_verify.py)."""
+    model = load_real_model(name, "auto")
+    prompt = tuple(model.tokenizer.encode(TEXT))[:40]
+    kv = ModelKV(model, num_blocks=16, block_size=8, prefix_cache=False)
+    sequence = kv.open(prompt)
+    logits = kv.forward([Extend(sequence, prompt)])[0]
+    tokens, sequential = [], []
+    for _ in range(6):
+        tokens.append(int(logits.argmax()))
+        logits = kv.forward([Extend(sequence, (tokens[-1],))])[0]
+        sequential.append(logits)
+    kv.rollback(sequence, len(prompt))
+    verified = kv.forward([Extend(sequence, tuple(tokens), logits="all")])
+    assert [int(row.argmax()) for row in verified] == tokens[1:] + [int(sequential[-1].argmax())]
+    max_abs = max((a - b).abs().max().item() for a, b in zip(verified, sequential, strict=True))
+    assert max_abs < 1e-4, f"{name}: verify against decode max-abs {max_abs:.2e}"
+    kv.close(sequence)
