@@ -234,8 +234,10 @@ def test_engine_consumer_reuses_provider_prefix(base, sibling, sibling_path) -> 
     _, cold_tokens = _cold(sibling, longer)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     with Engine(EngineConfig(budget_bytes=4 << 30, threads=torch.get_num_threads())) as engine:
-        engine.add_model("smol", BASE, kv_tokens=1024)
-        engine.add_model("smol-top", str(sibling_path), kv_tokens=1024)
+        # fp32 both: the sibling folder holds the base's weights dequantised, which the GGUF's own
+        # blocks (the default, auto) are not byte for byte
+        engine.add_model("smol", BASE, dtype="fp32", kv_tokens=1024)
+        engine.add_model("smol-top", str(sibling_path), dtype="fp32", kv_tokens=1024)
         engine.generate("smol", list(prompt), SamplingParams(max_tokens=1))
         completion = engine.generate("smol-top", list(longer), params)
         stats = engine.stats()

@@ -206,6 +206,13 @@ class BlockEmbedding(nn.Module):
         self.format = tensor.format_name
         self.num_embeddings, self.embedding_dim = tensor.rows, tensor.columns
         self.register_buffer("blocks_0", file_bytes(tensor.data))
+        self._segment = Segment(tensor.type_id, None, tensor.rows, None)
+        self._matrix = BlockMatrix(tensor.columns, tensor.rows, 1, ctypes.pointer(self._segment), None)
+
+    def matrix(self) -> BlockMatrix:
+        """The table as a C weight description (one segment, vocab rows; valid while this lives)."""
+        self._segment.data = self.blocks_0.data_ptr()
+        return self._matrix
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         ids = token_ids.reshape(-1).to(torch.int64).contiguous()

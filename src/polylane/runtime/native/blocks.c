@@ -37,7 +37,10 @@ other CPU, ARM included).
 #endif
 
 /* ggml's type ids (the values stored in a GGUF tensor info) */
-enum { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
+enum {
+    GGML_F32 = 0, GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8,
+    GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_BF16 = 30
+};
 
 #define TILE_ROWS 4       /* weight rows dequantised together and dotted with each activation row */
 #define X_BLOCK_BYTES (256 * 1024) /* activation rows taken per pass over W (kept in L2) */
@@ -109,37 +112,135 @@ static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *scale, uint8_t
 /* Elements per block and bytes per block of a type; 0 for a type without a kernel. */
 int64_t polylane_blocks_geometry(int64_t type, int64_t *block_bytes) {
     switch (type) {
-    case F32: *block_bytes = 4; return 1;
-    case F16: *block_bytes = 2; return 1;
-    case BF16: *block_bytes = 2; return 1;
-    case Q4_0: *block_bytes = 18; return 32;
-    case Q4_1: *block_bytes = 20; return 32;
-    case Q5_0: *block_bytes = 22; return 32;
-    case Q5_1: *block_bytes = 24; return 32;
-    case Q8_0: *block_bytes = 34; return 32;
-    case Q4_K: *block_bytes = 144; return 256;
-    case Q5_K: *block_bytes = 176; return 256;
-    case Q6_K: *block_bytes = 210; return 256;
+    case GGML_F32: *block_bytes = 4; return 1;
+    case GGML_F16: *block_bytes = 2; return 1;
+    case GGML_BF16: *block_bytes = 2; return 1;
+    case GGML_Q4_0: *block_bytes = 18; return 32;
+    case GGML_Q4_1: *block_bytes = 20; return 32;
+    case GGML_Q5_0: *block_bytes = 22; return 32;
+    case GGML_Q5_1: *block_bytes = 24; return 32;
+    case GGML_Q8_0: *block_bytes = 34; return 32;
+    case GGML_Q4_K: *block_bytes = 144; return 256;
+    case GGML_Q5_K: *block_bytes = 176; return 256;
+    case GGML_Q6_K: *block_bytes = 210; return 256;
     default: *block_bytes = 0; return 0;
     }
 }
 
-static int64_t row_bytes(int64_t type, int64_t k) {
+static int64_t block_row_bytes(int64_t type, int64_t k) {
     int64_t block_bytes;
     int64_t elements = polylane_blocks_geometry(type, &block_bytes);
     return elements ? k / elements * block_bytes : 0;
 }
 
+#if !defined(POLYLANE_PORTABLE) && defined(__AVX2__)
+#define SIMD_DEQUANTISE 1
+/* The hot formats with AVX2 intrinsics: the same float operations, in the same order, as the C of
+   `dequantise_row` (a product then a sum, never fused), so both give the same bits. */
+
+/* 16 int32 codes (two halves of 8) minus `bias`, as float, times `scale` (+ `offset` if `add`,
+   − `offset` if `subtract`) into out[0..15]. */
+static inline void codes16(__m128i bytes, int signed_bytes, int bias, __m256 scale, __m256 offset, int mode,
+                           float *out) {
+    __m256i first = signed_bytes ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+    __m256i second = signed_bytes ? _mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)) : _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+    if (bias) {
+        first = _mm256_sub_epi32(first, _mm256_set1_epi32(bias));
+        second = _mm256_sub_epi32(second, _mm256_set1_epi32(bias));
+    }
+    __m256 a = _mm256_mul_ps(_mm256_cvtepi32_ps(first), scale), b = _mm256_mul_ps(_mm256_cvtepi32_ps(second), scale);
+    if (mode == 1) {
+        a = _mm256_add_ps(a, offset);
+        b = _mm256_add_ps(b, offset);
+    } else if (mode == 2) {
+        a = _mm256_sub_ps(a, offset);
+        b = _mm256_sub_ps(b, offset);
+    }
+    _mm256_storeu_ps(out, a);
+    _mm256_storeu_ps(out + 8, b);
+}
+
+/* 16 bits of `bits` (from bit `first`) as 16 bytes 0x10 or 0: Q5's fifth bits. */
+static inline __m128i fifth_bits(uint32_t bits, int first) {
+    const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)(bits >> first)),
+                                            _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+    const __m128i masks = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, (char)128, 1, 2, 4, 8, 16, 32, 64, (char)128);
+    return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, masks), masks), _mm_set1_epi8(0x10));
+}
+
+static int simd_dequantise_row(int64_t type, const uint8_t *restrict row, int64_t k, float *restrict y) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const __m256 zero = _mm256_setzero_ps();
+    switch (type) {
+    case GGML_Q4_0:
+        for (int64_t b = 0; b < k / 32; b++, row += 18, y += 32) {
+            const __m256 d = _mm256_set1_ps(half_at(row));
+            const __m128i qs = _mm_loadu_si128((const __m128i *)(row + 2));
+            codes16(_mm_and_si128(qs, low4), 0, 8, d, zero, 0, y);
+            codes16(_mm_and_si128(_mm_srli_epi16(qs, 4), low4), 0, 8, d, zero, 0, y + 16);
+        }
+        return 1;
+    case GGML_Q4_1:
+        for (int64_t b = 0; b < k / 32; b++, row += 20, y += 32) {
+            const __m256 d = _mm256_set1_ps(half_at(row)), m = _mm256_set1_ps(half_at(row + 2));
+            const __m128i qs = _mm_loadu_si128((const __m128i *)(row + 4));
+            codes16(_mm_and_si128(qs, low4), 0, 0, d, m, 1, y);
+            codes16(_mm_and_si128(_mm_srli_epi16(qs, 4), low4), 0, 0, d, m, 1, y + 16);
+        }
+        return 1;
+    case GGML_Q5_0:
+        for (int64_t b = 0; b < k / 32; b++, row += 22, y += 32) {
+            const __m256 d = _mm256_set1_ps(half_at(row));
+            uint32_t qh;
+            memcpy(&qh, row + 2, 4);
+            const __m128i qs = _mm_loadu_si128((const __m128i *)(row + 6));
+            codes16(_mm_or_si128(_mm_and_si128(qs, low4), fifth_bits(qh, 0)), 0, 16, d, zero, 0, y);
+            codes16(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(qs, 4), low4), fifth_bits(qh, 16)), 0, 16, d, zero, 0, y + 16);
+        }
+        return 1;
+    case GGML_Q8_0:
+        for (int64_t b = 0; b < k / 32; b++, row += 34, y += 32) {
+            const __m256 d = _mm256_set1_ps(half_at(row));
+            codes16(_mm_loadu_si128((const __m128i *)(row + 2)), 1, 0, d, zero, 0, y);
+            codes16(_mm_loadu_si128((const __m128i *)(row + 18)), 1, 0, d, zero, 0, y + 16);
+        }
+        return 1;
+    case GGML_Q4_K:
+        for (int64_t b = 0; b < k / 256; b++, row += 144) {
+            const float d = half_at(row), dmin = half_at(row + 2);
+            const uint8_t *scales = row + 4, *q = row + 16;
+            for (int j = 0; j < 4; j++, q += 32, y += 64) {
+                uint8_t scale, min;
+                scale_min_k4(2 * j, scales, &scale, &min);
+                const __m256 d1 = _mm256_set1_ps(d * scale), m1 = _mm256_set1_ps(dmin * min);
+                scale_min_k4(2 * j + 1, scales, &scale, &min);
+                const __m256 d2 = _mm256_set1_ps(d * scale), m2 = _mm256_set1_ps(dmin * min);
+                for (int half = 0; half < 2; half++) {
+                    const __m128i qs = _mm_loadu_si128((const __m128i *)(q + 16 * half));
+                    codes16(_mm_and_si128(qs, low4), 0, 0, d1, m1, 2, y + 16 * half);
+                    codes16(_mm_and_si128(_mm_srli_epi16(qs, 4), low4), 0, 0, d2, m2, 2, y + 32 + 16 * half);
+                }
+            }
+        }
+        return 1;
+    }
+    return 0;
+}
+#endif
+
 /* One row of k elements of `type` at `row` as float32, the values ggml's dequantize_row_* gives. */
 static void dequantise_row(int64_t type, const uint8_t *restrict row, int64_t k, float *restrict y) {
+#ifdef SIMD_DEQUANTISE
+    if (simd_dequantise_row(type, row, k, y)) return;
+#endif
     switch (type) {
-    case F32:
+    case GGML_F32:
         memcpy(y, row, (size_t)k * 4);
         return;
-    case F16:
+    case GGML_F16:
         for (int64_t i = 0; i < k; i++) y[i] = half_at(row + 2 * i);
         return;
-    case BF16:
+    case GGML_BF16:
         for (int64_t i = 0; i < k; i++) {
             uint16_t h;
             memcpy(&h, row + 2 * i, 2);
@@ -147,7 +248,7 @@ static void dequantise_row(int64_t type, const uint8_t *restrict row, int64_t k,
             memcpy(y + i, &bits, 4);
         }
         return;
-    case Q4_0:
+    case GGML_Q4_0:
         for (int64_t b = 0; b < k / 32; b++, row += 18, y += 32) {
             const float d = half_at(row);
             const uint8_t *restrict qs = row + 2;
@@ -155,7 +256,7 @@ static void dequantise_row(int64_t type, const uint8_t *restrict row, int64_t k,
             for (int j = 0; j < 16; j++) y[j + 16] = (float)((qs[j] >> 4) - 8) * d;
         }
         return;
-    case Q4_1:
+    case GGML_Q4_1:
         for (int64_t b = 0; b < k / 32; b++, row += 20, y += 32) {
             const float d = half_at(row), m = half_at(row + 2);
             const uint8_t *restrict qs = row + 4;
@@ -163,7 +264,7 @@ static void dequantise_row(int64_t type, const uint8_t *restrict row, int64_t k,
             for (int j = 0; j < 16; j++) y[j + 16] = (float)(qs[j] >> 4) * d + m;
         }
         return;
-    case Q5_0:
+    case GGML_Q5_0:
         for (int64_t b = 0; b < k / 32; b++, row += 22, y += 32) {
             const float d = half_at(row);
             uint32_t qh;
@@ -173,7 +274,7 @@ static void dequantise_row(int64_t type, const uint8_t *restrict row, int64_t k,
             for (int j = 0; j < 16; j++) y[j + 16] = (float)((int)((qs[j] >> 4) | ((qh >> (j + 12)) & 0x10)) - 16) * d;
         }
         return;
-    case Q5_1:
+    case GGML_Q5_1:
         for (int64_t b = 0; b < k / 32; b++, row += 24, y += 32) {
             const float d = half_at(row), m = half_at(row + 2);
             uint32_t qh;
@@ -183,14 +284,14 @@ static void dequantise_row(int64_t type, const uint8_t *restrict row, int64_t k,
             for (int j = 0; j < 16; j++) y[j + 16] = (float)((qs[j] >> 4) | ((qh >> (j + 12)) & 0x10)) * d + m;
         }
         return;
-    case Q8_0:
+    case GGML_Q8_0:
         for (int64_t b = 0; b < k / 32; b++, row += 34, y += 32) {
             const float d = half_at(row);
             const int8_t *qs = (const int8_t *)(row + 2);
             for (int j = 0; j < 32; j++) y[j] = (float)qs[j] * d;
         }
         return;
-    case Q4_K:
+    case GGML_Q4_K:
         for (int64_t b = 0; b < k / 256; b++, row += 144) {
             const float d = half_at(row), dmin = half_at(row + 2);
             const uint8_t *scales = row + 4, *q = row + 16;
@@ -205,7 +306,7 @@ static void dequantise_row(int64_t type, const uint8_t *restrict row, int64_t k,
             }
         }
         return;
-    case Q5_K:
+    case GGML_Q5_K:
         for (int64_t b = 0; b < k / 256; b++, row += 176) {
             const float d = half_at(row), dmin = half_at(row + 2);
             const uint8_t *scales = row + 4, *qh = row + 16, *ql = row + 48;
@@ -221,7 +322,7 @@ static void dequantise_row(int64_t type, const uint8_t *restrict row, int64_t k,
             }
         }
         return;
-    case Q6_K:
+    case GGML_Q6_K:
         for (int64_t b = 0; b < k / 256; b++, row += 210) {
             const float d = half_at(row + 208);
             const uint8_t *restrict ql = row, *restrict qh = row + 128;
@@ -325,7 +426,7 @@ static const uint8_t *source_row(const BlockMatrix *w, int64_t n, int64_t *type)
         if (n < segment->rows) {
             const int64_t row = segment->row_map ? segment->row_map[n] : n;
             *type = segment->type;
-            return segment->data + row * row_bytes(segment->type, w->in_features);
+            return segment->data + row * block_row_bytes(segment->type, w->in_features);
         }
         n -= segment->rows;
     }
@@ -390,6 +491,6 @@ int polylane_blocks_matmul(const BlockMatrix *w, const float *x, int64_t rows, f
 /* Rows `ids` (count of them) of a (?, k) tensor of `type` as float32 into out (count, k): the
    embedding lookup. */
 void polylane_blocks_rows(int64_t type, const uint8_t *data, int64_t k, const int64_t *ids, int64_t count, float *out) {
-    const int64_t stride = row_bytes(type, k);
+    const int64_t stride = block_row_bytes(type, k);
     for (int64_t i = 0; i < count; i++) dequantise_row(type, data + ids[i] * stride, k, out + i * k);
 }

@@ -73,7 +73,8 @@ def library_path(source: Path, compiler: str) -> Path:
     """Where the library built from `source` by `compiler` on this CPU is cached."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), version, " ".join(compile_flags()), _cpu_signature()):
+    sources = b"".join(path.read_bytes() for path in sorted(source.parent.glob("*.c")))  # (#included too)
+    for part in (sources, version, " ".join(compile_flags()), _cpu_signature()):
         digest.update(part if isinstance(part, bytes) else part.encode())
     return catalog.cache_dir().parent / "kernels" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
 

@@ -43,6 +43,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "blocks.c" /* GGUF block formats in place: the BLOCKS kind */
+
 #define GROUP 32
 /* How far ahead of the column pair being multiplied the weight stream is prefetched: without it
  * one-row matmuls read memory at ~10 GB/s of the ~23 two cores can stream (SmolLM2 decode step
@@ -71,13 +73,15 @@
 #define PREFETCH_BYTES 4096
 #endif
 
-enum { INT4 = 0, BF16 = 1, FP32 = 2, FP32_INPUT_MAJOR = 3, INT8 = 4 };
+enum { INT4 = 0, BF16 = 1, FP32 = 2, FP32_INPUT_MAJOR = 3, INT8 = 4, BLOCKS = 5 };
 
 typedef struct {
-    int64_t kind;            /* INT4, BF16, INT8, FP32 or FP32_INPUT_MAJOR */
+    int64_t kind;            /* INT4, BF16, INT8, FP32, FP32_INPUT_MAJOR or BLOCKS */
     const void *weight;      /* INT4: packed (N/64, K/2, 64); BF16, INT8, FP32: (N, K); FP32_INPUT_MAJOR: (K, N) */
     const uint32_t *scales;  /* INT4: (K/32, N), bf16 scale in the low half, bf16 zero in the high;
-                              * INT8: (N,) float32 */
+                              * INT8: (N,) float32
+                              * BLOCKS: `weight` is a BlockMatrix (blocks.c: a GGUF file's tensors
+                              * in place, its own bias), scales and bias unused */
     const float *bias;       /* (N,) or NULL */
     int64_t in_features, out_features;
 } Matrix;
@@ -715,6 +719,10 @@ static void quantised_rows_amx(const Matrix *w, const uint32_t *x_pairs, const f
 static void matmul(const Matrix *w, const float *x, int64_t rows, float *y, const Scratch *scratch, int threads,
                    const Runs *runs) {
     if (rows == 0) return; /* e.g. a prompt chunk that needs no logits: no tile has zero rows */
+    if (w->kind == BLOCKS) { /* every row the same arithmetic, whatever the batch (blocks.c) */
+        polylane_blocks_matmul((const BlockMatrix *)w->weight, x, rows, y, threads);
+        return;
+    }
     const int64_t blocks = w->out_features / 64;
     const uint32_t *x_pairs = (const uint32_t *)scratch->x16;
     const int dense32 = w->kind == FP32 || w->kind == FP32_INPUT_MAJOR;
@@ -1305,7 +1313,11 @@ static void gated_activation(int64_t activation, const float *gate, const float 
 static void embed(const Model *model, int64_t token, float *row) {
     const Matrix *table = &model->embedding;
     const int64_t e = table->in_features, v = table->out_features;
-    if (table->kind == BF16) { /* (E is a multiple of 32: `_described`) */
+    if (table->kind == BLOCKS) {
+        int64_t type;
+        const uint8_t *source = source_row((const BlockMatrix *)table->weight, token, &type);
+        dequantise_row(type, source, e, row);
+    } else if (table->kind == BF16) { /* (E is a multiple of 32: `_described`) */
         for (int64_t i = 0; i < e; i += 16) _mm512_storeu_ps(row + i, load_bf16((const uint16_t *)table->weight + token * e + i));
     } else if (table->kind == FP32_INPUT_MAJOR) {
         for (int64_t i = 0; i < e; i++) row[i] = ((const float *)table->weight)[i * v + token];

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from polylane.runtime.batch import ForwardBatch, new_token_visibility
+from polylane.runtime.block_weights import BlockEmbedding, BlockProjection
 from polylane.runtime.int4_layout import packing_layout
 from polylane.runtime.kv_cache import PagedKVCache
 from polylane.runtime.layers import Projection
@@ -51,8 +52,10 @@ if TYPE_CHECKING:
 # 1,656 vs 1,295 at 64, 1,670 vs 1,817 at 127 (`python bench/native_step.py --dtype bf16 --prefill
 # 64 127`, oneDNN's AMX GEMMs). int8: prompt runs on tiles as int4's. float32 has no matrix unit:
 # from a few rows MKL's GEMMs win.
-INT4, BF16, FP32, FP32_INPUT_MAJOR, INT8 = 0, 1, 2, 3, 4
-MAX_TOKENS = {INT4: 4096, BF16: 96, INT8: 4096, FP32: 8, FP32_INPUT_MAJOR: 8}
+INT4, BF16, FP32, FP32_INPUT_MAJOR, INT8, BLOCKS = 0, 1, 2, 3, 4, 5
+# GGUF blocks in place (dtype auto): torch's path multiplies with the same block kernels, so the
+# native stack (its attention and the rest in C, one call) is ahead at every size.
+MAX_TOKENS = {INT4: 4096, BF16: 96, INT8: 4096, FP32: 8, FP32_INPUT_MAJOR: 8, BLOCKS: 4096}
 # Without AMX (AVX512-BF16 dot products, no tile attention) int4 prompts gain nothing from ~128
 # tokens on: 585 vs 587 tokens/s at 127, 505 vs 881 at 511 (the same command's avx512-bf16 column);
 # int8 against torch's bf16 GEMMs of the codes (`quantize.INT8_GEMM_MIN_ROWS`): 456 vs 381 at 24,
@@ -220,6 +223,8 @@ def describe(projection: nn.Module, keep: list[torch.Tensor]) -> Matrix:
     the tensors the description points into. ValueError where no native kernel fits."""
     from polylane.runtime.quantize import QuantizedProjection
 
+    if isinstance(projection, BlockProjection | BlockEmbedding):
+        return _blocks_matrix(projection)
     if isinstance(projection, QuantizedProjection):
         qweight, bias = projection.qweight.contiguous(), projection.bias
         if projection.bits == 8:  # (N, K) int8 and a float32 scale per output row
@@ -267,9 +272,18 @@ def matmul(projection: nn.Module, x: torch.Tensor, prompt: bool = False) -> torc
     return y
 
 
+def _blocks_matrix(module: BlockProjection | BlockEmbedding) -> Matrix:
+    """A GGUF file's tensors in place (`runtime.block_weights`): the C code reads the module's own
+    description (its segments and bias), which lives as long as the model."""
+    described = module.matrix()
+    return Matrix(BLOCKS, ctypes.addressof(described), None, None, described.in_features, described.out_features)
+
+
 def _embedding_matrix(model: DecoderModel, keep: list[torch.Tensor]) -> Matrix:
-    """The token embedding as the C code looks rows up in it: float32 or bf16 (vocab, hidden), or
-    the tied float32 columns (hidden, vocab)."""
+    """The token embedding as the C code looks rows up in it: float32 or bf16 (vocab, hidden), the
+    tied float32 columns (hidden, vocab), or a GGUF tensor's blocks."""
+    if isinstance(model.embed_tokens, BlockEmbedding):
+        return _blocks_matrix(model.embed_tokens)
     if model.vocab_columns is not None:
         return _weight_matrix(model.vocab_columns, None, True, keep)
     return _weight_matrix(model.embed_tokens.weight, None, False, keep)
