@@ -24,7 +24,12 @@ from polylane import catalog
 from polylane.runtime.loaded_model import load_model
 from polylane.runtime.model_kv import Extend, ModelKV
 
-CATALOGUE = ["smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"]
+CATALOGUE = [
+    "smollm2-135m-instruct",
+    "gemma3-270m",
+    "qwen2.5-coder-0.5b-instruct",
+    "qwen2.5-coder-1.5b-instruct",
+]
 TEXT = " ".join(
     f"Item {i}: the {['red', 'green', 'blue', 'amber'][i % 4]} box holds {i * 7 % 23} stones; "
     f"{['we counted them twice', 'nobody checked', 'the ledger agrees', 'see the note below'][i % 4]}."

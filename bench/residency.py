@@ -1,7 +1,7 @@
 """Residency benchmark: warm acquire latency, cold load time per model, and the hit rate of a Zipf
 request stream over the four catalogue models under one byte budget, LRU vs cost-aware eviction.
 
-Run:  python bench/residency.py [--dtype bf16|fp32] [--threads 2] [--repeats 3]
+Run:  python bench/residency.py [--dtype auto|bf16|fp32] [--threads 2] [--repeats 3]
       [--iterations 20000] [--requests 2000] [--zipf-s 1.1] [--seed 0] [--budget-fraction 0.5]
       [--real-requests 40] [--kv-tokens 4096] [--models a,b,...]
 
@@ -50,6 +50,7 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -97,15 +98,22 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def bench_loads(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    dtype = parse_dtype(args.dtype)
+    in_place = args.dtype == "auto"  # the file's blocks in place: nothing converted, ever
+    dtype = None if in_place else parse_dtype(args.dtype)
     manager = ResidencyManager(1 << 50)
     loads: dict[str, dict[str, Any]] = {}
+
+    def converted_file(source) -> Path:
+        return source.path if dtype is None else converted_path(source.path, dtype)
+
     for name in MODELS:
         source = source_for(name)
-        converted = converted_path(source.path, dtype)
+        converted = converted_file(source)
         loads[name] = {
             "gguf_mb": source.path.stat().st_size / MB,
-            "first_load": "converted cache" if converted.is_file() else "conversion",
+            "first_load": (
+                "in place" if in_place else "converted cache" if converted.is_file() else "conversion"
+            ),
             "estimate_bytes": estimate_weight_bytes(source.path, source.format, args.dtype),
             "reload_s_all": [],
         }
@@ -126,7 +134,7 @@ def bench_loads(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         loads[name].update(
             first_load_s=seconds,
             resident_bytes=measured,
-            converted_mb=converted_path(source.path, dtype).stat().st_size / MB,
+            converted_mb=converted_file(source).stat().st_size / MB,
         )
         progress(f"    {seconds:.2f} s, {measured / MB:.1f} MB resident")
     for repeat in range(args.repeats):  # round-robin, so drift touches every model alike
@@ -310,7 +318,7 @@ def bench_real_replay(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="reloads per model; warm-acquire rounds")
     parser.add_argument("--iterations", type=int, default=20000, help="warm acquires per path per repeat")
