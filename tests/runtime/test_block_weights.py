@@ -74,10 +74,15 @@ def test_each_format_dequantises_as_ggml_does(name):
 def test_each_format_multiplies_like_its_values(name):
     tensor, reference = random_tensor(name, 36, 768, seed=1)
     x = torch.randn(9, 768, generator=torch.Generator().manual_seed(2))
-    y = BlockProjection([tensor], [None])(x).double().numpy()
+    projection = BlockProjection([tensor], [None])
+    together = projection(x)
+    y = together.double().numpy()
     expected = x.double().numpy() @ reference.astype(np.float64).T
     relative = np.abs(y - expected).max() / np.abs(expected).max()
     assert relative < 1e-5, f"{name}: relative error {relative:.2e}"
+    # one row alone (a decode step: dequantised in registers) gives the bits of the batched rows
+    alone = torch.cat([projection(x[i : i + 1]) for i in range(x.shape[0])])
+    assert torch.equal(alone, together), f"{name}: a row alone differs from the same row in a batch"
 
 
 def test_each_row_is_the_same_bits_whatever_its_batch_and_threads():
