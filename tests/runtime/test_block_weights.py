@@ -152,7 +152,17 @@ def test_every_instruction_set_path_passes_these_tests(build):
         pytest.skip(f"the {build} kernels are this process's own (tested above)")
     env = {key: value for key, value in os.environ.items() if not key.startswith("POLYLANE_NATIVE")}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not instruction_set"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            __file__,
+            "-k",
+            "not instruction_set",
+        ],
         cwd=REPOSITORY,
         env={**env, **BUILDS[build], "POLYLANE_EXPECT_BLOCK_ISA": build},
         capture_output=True,

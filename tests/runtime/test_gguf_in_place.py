@@ -16,7 +16,8 @@ from polylane.runtime.model_kv import Extend, ModelKV
 from tests.conftest import fetch_or_skip
 
 TEXT = " ".join(
-    f"Item {i}: the {['red', 'green', 'blue', 'amber'][i % 4]} box holds {i * 7 % 23} stones." for i in range(30)
+    f"Item {i}: the {['red', 'green', 'blue', 'amber'][i % 4]} box holds {i * 7 % 23} stones."
+    for i in range(30)
 )
 POSITIONS = 240
 MODELS = [
@@ -47,12 +48,15 @@ def test_logits_stay_close_to_the_dequantised_file(load_real_model, name, record
     mean_abs = (got - expected).abs().mean().item()
     record_property("top1_agreement", top1)
     record_property("mean_abs", mean_abs)
-    print(f"{name} auto ({ours.compute_path}) vs fp32 over {len(ids)} positions: top-1 {top1:.4f}, mean-abs {mean_abs:.2e}")
+    where = f"{name} auto ({ours.compute_path}) vs fp32 over {len(ids)} positions"
+    print(f"{where}: top-1 {top1:.4f}, mean-abs {mean_abs:.2e}")
     assert top1 >= 0.99 and mean_abs < 1e-4, (top1, mean_abs)
 
 
 @pytest.mark.parametrize("name", MODELS[:3])
-def test_the_model_costs_its_files_bytes_and_nothing_is_converted(load_real_model, name, tmp_path, monkeypatch):
+def test_the_model_costs_its_files_bytes_and_nothing_is_converted(
+    load_real_model, name, tmp_path, monkeypatch
+):
     source = fetch_or_skip(name)
     monkeypatch.setenv("POLYLANE_CACHE_DIR", str(tmp_path))  # a conversion would land here
     from polylane.runtime.loaded_model import load_model
@@ -81,7 +85,7 @@ def test_a_verify_pass_equals_the_decode_steps(load_real_model, name):
         sequential.append(logits)
     kv.rollback(sequence, len(prompt))
     verified = kv.forward([Extend(sequence, tuple(tokens), logits="all")])
-    assert [int(row.argmax()) for row in verified] == tokens[1:] + [int(sequential[-1].argmax())]
+    assert [int(row.argmax()) for row in verified] == [*tokens[1:], int(sequential[-1].argmax())]
     max_abs = max((a - b).abs().max().item() for a, b in zip(verified, sequential, strict=True))
     assert max_abs < 1e-4, f"{name}: verify against decode max-abs {max_abs:.2e}"
     kv.close(sequence)

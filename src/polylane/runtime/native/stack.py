@@ -276,7 +276,9 @@ def _blocks_matrix(module: BlockProjection | BlockEmbedding) -> Matrix:
     """A GGUF file's tensors in place (`runtime.block_weights`): the C code reads the module's own
     description (its segments and bias), which lives as long as the model."""
     described = module.matrix()
-    return Matrix(BLOCKS, ctypes.addressof(described), None, None, described.in_features, described.out_features)
+    return Matrix(
+        BLOCKS, ctypes.addressof(described), None, None, described.in_features, described.out_features
+    )
 
 
 def _embedding_matrix(model: DecoderModel, keep: list[torch.Tensor]) -> Matrix:
