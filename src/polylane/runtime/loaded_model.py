@@ -106,11 +106,12 @@ def load_model(
     place_model(weights.model, target)
     weights.model.native_stack = NativeStack.build(weights.model)
     native_quantised = weights.model.native_stack is not None and quantised is not None
-    if weights.model.native_stack is not None:
-        path = f"native stack ({native_kernel_name()})"
-    elif in_place:
+    if in_place:
         kernels = f"the {block_isa_name()} block kernels"
-        path = f"{formats_summary(weights.model)} read in place by {kernels}, torch between"
+        between = "the native stack" if weights.model.native_stack is not None else "torch"
+        path = f"{formats_summary(weights.model)} read in place by {kernels}, {between} between"
+    elif weights.model.native_stack is not None:
+        path = f"native stack ({native_kernel_name()})"
     else:
         path = (
             f"torch ({torch.backends.cpu.get_cpu_capability()})"
