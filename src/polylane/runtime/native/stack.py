@@ -1,7 +1,8 @@
 """A Llama/Qwen2/Gemma 3 model's whole layer stack in one native call (decoder.c), and when it runs.
 
 What this module owns: deciding whether a loaded model can run natively (Llama-style or Gemma 3
-blocks, projections int4, int8, bf16 or float32 with output rows in blocks of 64, a C compiler and a CPU
+blocks, projections int4, int8, bf16 or float32 with output rows in blocks of 64 — or a GGUF file's own
+blocks in place (`runtime.block_weights`, any row count) — a C compiler and a CPU
 with AVX512-BF16 and VBMI), describing its weights to the C code once (`NativeStack.build`, called
 by `load_model`), and, per forward, the index arrays the C code reads (which slots each token
 writes and reads, which keys it may see, in sliding layers too). `DecoderModel.forward` asks
