@@ -159,13 +159,14 @@ class BlockProjection(nn.Module):
             self._segments[index].rows = part.rows
         self._num_segments = len(parts)
         self._matrix = BlockMatrix(self.in_features, self.out_features, len(parts), self._segments, None)
-        self._refresh()
+        self.bind()
         problem = library().polylane_blocks_check(ctypes.byref(self._matrix))
         if problem:
             raise ValueError(f"tensors {[p.name for p in parts]} do not fit the block kernels")
 
-    def _refresh(self) -> None:
-        """Point the C description at the current buffers (after loading or `_apply`)."""
+    def bind(self) -> None:
+        """Point the C description at the current buffers and bias (after a loader replaces the bias
+        parameter, and after every `_apply`)."""
         for index in range(self._num_segments):
             self._segments[index].data = getattr(self, f"blocks_{index}").data_ptr()
             row_map = getattr(self, f"row_map_{index}", None)
@@ -174,21 +175,19 @@ class BlockProjection(nn.Module):
 
     def _apply(self, fn, recurse=True):
         result = super()._apply(fn, recurse)
-        self._refresh()
+        self.bind()
         return result
 
     def matrix(self) -> BlockMatrix:
-        """The C description of this weight (valid while the module lives)."""
-        self._refresh()
+        """The C description of this weight (see `bind`; valid while the module lives)."""
         return self._matrix
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features).float().contiguous()
         y = torch.empty(x.shape[0], self.out_features)
-        matrix = self.matrix()
         if library().polylane_blocks_matmul(
-            ctypes.byref(matrix), x.data_ptr(), x.shape[0], y.data_ptr(), torch.get_num_threads()
+            ctypes.byref(self._matrix), x.data_ptr(), x.shape[0], y.data_ptr(), torch.get_num_threads()
         ):
             raise MemoryError("the block matmul could not allocate its scratch memory")
         return y.reshape(*shape[:-1], self.out_features)

@@ -29,7 +29,7 @@ import torch
 from polylane import catalog
 from polylane.policy.layer_share import ModelDigest
 from polylane.runtime.converted import LAYOUT_VERSION
-from polylane.runtime.file_identity import content_digest, keep_most_recent
+from polylane.runtime.file_identity import content_digest, keep_most_recent, write_atomically
 from polylane.runtime.model_config import ModelConfig
 from polylane.runtime.tokenizer import Tokenizer
 
@@ -198,17 +198,9 @@ def save_digest(source: catalog.ModelSource, dtype: str | torch.dtype, digest: M
     """Write atomically; a failure (read-only or full disk) only costs recomputing next time."""
     target = digest_path(source, dtype)
     record = {"source": str(source.path), "dtype": dtype_name(dtype), "digest": digest.to_json()}
-    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        temporary.write_text(json.dumps(record, indent=1))
-        os.replace(temporary, target)
-    except OSError as error:
-        log.warning("could not cache model digests at %s: %s", target, error)
-        temporary.unlink(missing_ok=True)
-        return
-    # (temporary model folders, e.g. of tests, leave entries that are never read again)
-    keep_most_recent(target.parent, "*.json", MAX_CACHED_DIGESTS)
+    if write_atomically(target, json.dumps(record, indent=1), "model digests"):
+        # (temporary model folders, e.g. of tests, leave entries that are never read again)
+        keep_most_recent(target.parent, "*.json", MAX_CACHED_DIGESTS)
 
 
 def digest_of(name_or_path: str, dtype: str = "fp32", *, quiet: bool = True) -> ModelDigest:

@@ -53,17 +53,24 @@ def content_digest(path: Path) -> str:
 
 
 def _remember(target: Path, digest: str) -> None:
-    """Write atomically; a failure (read-only or full disk) only costs hashing again next time."""
+    """A failure (read-only or full disk) only costs hashing again next time."""
+    if write_atomically(target, digest, "the hash of a model file"):
+        keep_most_recent(target.parent, "*.sha256", MAX_REMEMBERED)
+
+
+def write_atomically(target: Path, text: str, what: str) -> bool:
+    """Write `text` to `target` through a temporary file and a rename (readers never see a partial
+    file); False, with a warning naming `what`, where the disk refuses (read-only, full)."""
     temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        temporary.write_text(digest)
+        temporary.write_text(text)
         os.replace(temporary, target)
     except OSError as error:
-        log.warning("could not remember the hash of a model file at %s: %s", target, error)
+        log.warning("could not write %s at %s: %s", what, target, error)
         temporary.unlink(missing_ok=True)
-        return
-    keep_most_recent(target.parent, "*.sha256", MAX_REMEMBERED)
+        return False
+    return True
 
 
 def keep_most_recent(folder: Path, pattern: str, keep: int) -> None:

@@ -93,6 +93,9 @@ def load_gguf_in_place(path: str | Path, progress: bool = False) -> LoadedWeight
     model = build(
         model_class, config, torch.float32, gguf_tensors(file, module, config, progress, skip), path, swap_in
     )
+    for block in model.modules():
+        if isinstance(block, BlockProjection):
+            block.bind()  # `build` gave it a new bias parameter
     return LoadedWeights(config, model, distinct_bytes(model))
 
 
