@@ -85,11 +85,45 @@ def test_each_format_multiplies_like_its_values(name):
     assert torch.equal(alone, together), f"{name}: a row alone differs from the same row in a batch"
 
 
-def test_each_row_is_the_same_bits_whatever_its_batch_and_threads():
+def rounded_to_8_bits(x: np.ndarray) -> np.ndarray:
+    """x as the 8-bit activation kernels see it: per block of 32, codes round(x·127/max|x|) times
+    the scale max|x|/127 (float32 arithmetic, as in blocks_q8.c)."""
+    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    scale = amax / np.float32(127)
+    inverse = (np.float32(127) / np.where(amax > 0, amax, np.float32(1))) * (amax > 0)
+    codes = np.rint(blocks * inverse.astype(np.float32))
+    return (codes.astype(np.float64) * scale.astype(np.float64)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("name", list(BLOCK_FORMATS))
+def test_each_format_with_8_bit_activations_multiplies_like_its_values(name):
+    """Integer dot products of the file's codes with 8-bit activations equal the float64 product of
+    the file's values with the rounded activations (float formats keep float32 activations)."""
+    columns = 768 if name.endswith("_K") else 800  # 800: a last half step of 32 columns
+    tensor, reference = random_tensor(name, 36, columns, seed=7)
+    scales = torch.linspace(0.01, 30, columns)
+    x = torch.randn(5, columns, generator=torch.Generator().manual_seed(8)) * scales
+    y = BlockProjection([tensor], [None], activation_bits=8)(x).double().numpy()
+    rounded = x.double().numpy() if name in ("F32", "F16", "BF16") else rounded_to_8_bits(x.numpy())
+    expected = rounded @ reference.astype(np.float64).T
+    relative = np.abs(y - expected).max() / np.abs(expected).max()
+    assert relative < 1e-5, f"{name}: relative error {relative:.2e}"
+
+
+def test_activation_bits_other_than_32_or_8_are_refused():
+    tensor, _ = random_tensor("Q4_0", 4, 64)
+    with pytest.raises(ValueError, match="activation bits"):
+        BlockProjection([tensor], [None], activation_bits=4)
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+def test_each_row_is_the_same_bits_whatever_its_batch_and_threads(bits):
     """Decode (1 row), verify (a few) and prompt (many, several activation blocks) rows of the same
     input give identical outputs, at 1 and 2 threads: the contract speculation relies on."""
-    parts = [random_tensor(name, 20, 2048, seed=i)[0] for i, name in enumerate(("Q4_K", "Q6_K", "Q8_0"))]
-    projection = BlockProjection(parts, [None, None, None])
+    names = ("Q4_K", "Q6_K", "Q8_0", "Q4_1", "Q5_0")
+    parts = [random_tensor(name, 20, 2048, seed=i)[0] for i, name in enumerate(names)]
+    projection = BlockProjection(parts, [None] * len(parts), activation_bits=bits)
     x = torch.randn(300, 2048, generator=torch.Generator().manual_seed(3))
     together = projection(x)
     threads = torch.get_num_threads()

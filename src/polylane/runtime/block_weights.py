@@ -31,6 +31,7 @@ BLOCK_FORMATS = {
 }  # fmt: skip
 FORMAT_NAMES = {type_id: name for name, type_id in BLOCK_FORMATS.items()}
 ISA_NAMES = {0: "portable C", 1: "avx2", 2: "avx512"}
+ACTIVATION_BITS = (32, 8)
 
 _pointer = ctypes.c_void_p
 
@@ -51,7 +52,16 @@ class BlockMatrix(ctypes.Structure):
         ("num_segments", ctypes.c_int64),
         ("segments", ctypes.POINTER(Segment)),
         ("bias", _pointer),
+        ("activation_bits", ctypes.c_int64),
     ]
+
+
+def check_bits(activation_bits: int) -> int:
+    """`activation_bits` if the kernels have it: 32 (float32 activations, the products of the file's
+    values) or 8 (activations rounded to 8 bits per block of 32, integer dot products)."""
+    if activation_bits not in ACTIVATION_BITS:
+        raise ValueError(f"activation bits must be one of {ACTIVATION_BITS}, got {activation_bits}")
+    return activation_bits
 
 
 class BlockKernelsUnavailable(RuntimeError):
@@ -136,7 +146,11 @@ class BlockProjection(nn.Module):
     """y = x·Wᵀ + b with W the rows of one or more file tensors (fused QKV or gate/up), in place."""
 
     def __init__(
-        self, parts: list[BlockTensor], row_maps: list[np.ndarray | None], bias: bool = False
+        self,
+        parts: list[BlockTensor],
+        row_maps: list[np.ndarray | None],
+        bias: bool = False,
+        activation_bits: int = 32,
     ) -> None:
         super().__init__()
         columns = {part.columns for part in parts}
@@ -158,7 +172,7 @@ class BlockProjection(nn.Module):
             self._segments[index].type = part.type_id
             self._segments[index].rows = part.rows
         self._num_segments = len(parts)
-        self._matrix = BlockMatrix(self.in_features, self.out_features, len(parts), self._segments, None)
+        self._matrix = BlockMatrix(self.in_features, self.out_features, len(parts), self._segments, None, check_bits(activation_bits))
         self.bind()
         problem = library().polylane_blocks_check(ctypes.byref(self._matrix))
         if problem:
@@ -199,14 +213,14 @@ class BlockProjection(nn.Module):
 class BlockEmbedding(nn.Module):
     """Token rows of a file tensor (vocab × hidden), dequantised to float32 when looked up."""
 
-    def __init__(self, tensor: BlockTensor) -> None:
+    def __init__(self, tensor: BlockTensor, activation_bits: int = 32) -> None:
         super().__init__()
         self.type_id = tensor.type_id
         self.format = tensor.format_name
         self.num_embeddings, self.embedding_dim = tensor.rows, tensor.columns
         self.register_buffer("blocks_0", file_bytes(tensor.data))
         self._segment = Segment(tensor.type_id, None, tensor.rows, None)
-        self._matrix = BlockMatrix(tensor.columns, tensor.rows, 1, ctypes.pointer(self._segment), None)
+        self._matrix = BlockMatrix(tensor.columns, tensor.rows, 1, ctypes.pointer(self._segment), None, check_bits(activation_bits))
 
     def matrix(self) -> BlockMatrix:
         """The table as a C weight description (one segment, vocab rows; valid while this lives)."""

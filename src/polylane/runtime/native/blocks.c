@@ -58,6 +58,7 @@ typedef struct {
     int64_t num_segments;
     const Segment *segments;
     const float *bias; /* NULL or out_features floats */
+    int64_t activation_bits; /* 32: float32 activations; 8: rounded to 8 bits (blocks_q8.c) */
 } BlockMatrix;
 
 int polylane_blocks_isa(void) {
@@ -448,8 +449,11 @@ int polylane_blocks_check(const BlockMatrix *w) {
     return rows == w->out_features ? 0 : -1;
 }
 
+#include "blocks_q8.c" /* the 8-bit activation products */
+
 /* y (rows, out_features) = x (rows, in_features) · Wᵀ + bias. 0, or 1 when scratch memory ran out. */
 int polylane_blocks_matmul(const BlockMatrix *w, const float *x, int64_t rows, float *y, int threads) {
+    if (w->activation_bits == 8 && coded_matrix(w)) return coded_matmul(w, x, rows, y, threads);
     const int64_t k = w->in_features, n_total = w->out_features;
     const int64_t tiles = (n_total + TILE_ROWS - 1) / TILE_ROWS;
     int64_t x_block = X_BLOCK_BYTES / (k * 4);

@@ -1,0 +1,437 @@
+/* GGUF's block formats times 8-bit activations, by integer dot products (included by blocks.c).
+
+What this file owns: the fast product of blocks.c. Each activation row is rounded to 8 bits per
+block of 32 (one float scale per block, as llama.cpp's Q8 activations), each weight row is
+unpacked to unsigned 8-bit codes with one float scale and one float offset per group of 16
+(w = d·u + m: every GGUF quantised format fits this, the symmetric ones with m = −offset·d), and
+their products are exact integer sums per group, scaled in float:
+
+    x·w = Σ_b dx_b · Σ_{g in b} (d_g · Σ_i u_i·q_i  +  m_g · Σ_i q_i)
+
+The integer sums are exact on every instruction set (AVX-512 VNNI `vpdpbusd`, AVX2 `vpmaddwd`,
+portable C); only the float scaling's order differs between them.
+
+Batch independence holds as in blocks.c: an activation row is quantised alone, and each output is
+one fixed sequence of operations on its own activation row and weight row, whatever the batch,
+thread count or tile.
+
+Float weight tensors (F32, F16, BF16) have no codes: a matrix with such a segment takes the float
+path of blocks.c.
+*/
+
+#if !defined(POLYLANE_PORTABLE) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define Q8_VNNI 1
+#elif !defined(POLYLANE_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
+#define Q8_AVX2 1
+#endif
+
+#define GROUP 16 /* weights per (d, m) pair */
+
+/* One weight row as codes: u[k], d[k/16], m[k/16]. */
+typedef struct {
+    uint8_t *u;
+    float *d;
+    float *m;
+} CodedRow;
+
+static int has_codes(int64_t type) {
+    return type != GGML_F32 && type != GGML_F16 && type != GGML_BF16;
+}
+
+/* 32 codes from 16 bytes of nibbles: low nibbles first, then high nibbles (ggml's order). */
+static inline void nibbles32(const uint8_t *restrict qs, uint8_t *restrict u) {
+    for (int j = 0; j < 16; j++) {
+        u[j] = qs[j] & 0xF;
+        u[j + 16] = qs[j] >> 4;
+    }
+}
+
+static inline void set_groups(float *d, float *m, int count, float scale, float offset) {
+    for (int g = 0; g < count; g++) {
+        d[g] = scale;
+        m[g] = offset;
+    }
+}
+
+#if !defined(POLYLANE_PORTABLE) && defined(__AVX2__)
+/* The hot formats' codes with AVX2 intrinsics (the same codes as the C below). */
+static inline void nibbles_simd(const uint8_t *restrict qs, uint8_t *restrict u) { /* 16 bytes → 32 codes */
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)qs), low4 = _mm_set1_epi8(0x0F);
+    _mm_storeu_si128((__m128i *)u, _mm_and_si128(bytes, low4));
+    _mm_storeu_si128((__m128i *)(u + 16), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+}
+
+static int simd_code_row(int64_t type, const uint8_t *restrict row, int64_t k, CodedRow out) {
+    uint8_t *restrict u = out.u;
+    float *restrict d = out.d, *restrict m = out.m;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
+    switch (type) {
+    case GGML_Q4_0:
+        for (int64_t b = 0; b < k / 32; b++, row += 18, u += 32, d += 2, m += 2) {
+            const float scale = half_at(row);
+            nibbles_simd(row + 2, u);
+            set_groups(d, m, 2, scale, -8.0f * scale);
+        }
+        return 1;
+    case GGML_Q4_1:
+        for (int64_t b = 0; b < k / 32; b++, row += 20, u += 32, d += 2, m += 2) {
+            nibbles_simd(row + 4, u);
+            set_groups(d, m, 2, half_at(row), half_at(row + 2));
+        }
+        return 1;
+    case GGML_Q5_0:
+        for (int64_t b = 0; b < k / 32; b++, row += 22, u += 32, d += 2, m += 2) {
+            const float scale = half_at(row);
+            uint32_t qh;
+            memcpy(&qh, row + 2, 4);
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(row + 6)), nibble = _mm_set1_epi8(0x0F);
+            _mm_storeu_si128((__m128i *)u, _mm_or_si128(_mm_and_si128(bytes, nibble), fifth_bits(qh, 0)));
+            _mm_storeu_si128((__m128i *)(u + 16),
+                             _mm_or_si128(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), fifth_bits(qh, 16)));
+            set_groups(d, m, 2, scale, -16.0f * scale);
+        }
+        return 1;
+    case GGML_Q8_0:
+        for (int64_t b = 0; b < k / 32; b++, row += 34, u += 32, d += 2, m += 2) {
+            const float scale = half_at(row);
+            _mm256_storeu_si256((__m256i *)u, _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row + 2)),
+                                                               _mm256_set1_epi8((char)0x80)));
+            set_groups(d, m, 2, scale, -128.0f * scale);
+        }
+        return 1;
+    case GGML_Q4_K:
+        for (int64_t b = 0; b < k / 256; b++, row += 144) {
+            const float scale = half_at(row), min_scale = half_at(row + 2);
+            const uint8_t *scales = row + 4, *q = row + 16;
+            for (int j = 0; j < 4; j++, q += 32, u += 64, d += 4, m += 4) {
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)q);
+                _mm256_storeu_si256((__m256i *)u, _mm256_and_si256(bytes, low4));
+                _mm256_storeu_si256((__m256i *)(u + 32), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4));
+                uint8_t sc, mn;
+                scale_min_k4(2 * j, scales, &sc, &mn);
+                set_groups(d, m, 2, scale * sc, -(min_scale * mn));
+                scale_min_k4(2 * j + 1, scales, &sc, &mn);
+                set_groups(d + 2, m + 2, 2, scale * sc, -(min_scale * mn));
+            }
+        }
+        return 1;
+    case GGML_Q6_K:
+        for (int64_t b = 0; b < k / 256; b++, row += 210) {
+            const float scale = half_at(row + 208);
+            const uint8_t *ql = row, *qh = row + 128;
+            const int8_t *sc = (const int8_t *)(row + 192);
+            for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, u += 128, d += 8, m += 8) {
+                const __m256i low_a = _mm256_loadu_si256((const __m256i *)ql);
+                const __m256i low_b = _mm256_loadu_si256((const __m256i *)(ql + 32));
+                const __m256i high = _mm256_loadu_si256((const __m256i *)qh);
+                for (int q = 0; q < 4; q++) {
+                    const __m256i low = q & 1 ? low_b : low_a;
+                    const __m256i nibble = _mm256_and_si256(q < 2 ? low : _mm256_srli_epi16(low, 4), low4);
+                    const __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * q)), low2), 4);
+                    _mm256_storeu_si256((__m256i *)(u + 32 * q), _mm256_or_si256(nibble, top));
+                    for (int part = 0; part < 2; part++) {
+                        const float group_scale = scale * (float)sc[part + 2 * q];
+                        d[2 * q + part] = group_scale;
+                        m[2 * q + part] = -32.0f * group_scale;
+                    }
+                }
+            }
+        }
+        return 1;
+    }
+    return 0;
+}
+#endif
+
+/* A row of k elements of a quantised `type` as codes, scales and offsets (see the file comment). */
+__attribute__((noinline)) static void code_row(int64_t type, const uint8_t *restrict row, int64_t k, CodedRow out) {
+#if !defined(POLYLANE_PORTABLE) && defined(__AVX2__)
+    if (simd_code_row(type, row, k, out)) return;
+#endif
+    uint8_t *restrict u = out.u;
+    float *restrict d = out.d, *restrict m = out.m;
+    switch (type) {
+    case GGML_Q4_0:
+        for (int64_t b = 0; b < k / 32; b++, row += 18, u += 32, d += 2, m += 2) {
+            const float scale = half_at(row);
+            nibbles32(row + 2, u);
+            set_groups(d, m, 2, scale, -8.0f * scale);
+        }
+        return;
+    case GGML_Q4_1:
+        for (int64_t b = 0; b < k / 32; b++, row += 20, u += 32, d += 2, m += 2) {
+            nibbles32(row + 4, u);
+            set_groups(d, m, 2, half_at(row), half_at(row + 2));
+        }
+        return;
+    case GGML_Q5_0:
+    case GGML_Q5_1: {
+        const int64_t block_bytes = type == GGML_Q5_0 ? 22 : 24, header = type == GGML_Q5_0 ? 2 : 4;
+        for (int64_t b = 0; b < k / 32; b++, row += block_bytes, u += 32, d += 2, m += 2) {
+            const float scale = half_at(row);
+            uint32_t qh;
+            memcpy(&qh, row + header, 4);
+            nibbles32(row + header + 4, u);
+            for (int j = 0; j < 32; j++) u[j] |= (uint8_t)(((qh >> j) & 1) << 4);
+            set_groups(d, m, 2, scale, type == GGML_Q5_0 ? -16.0f * scale : half_at(row + 2));
+        }
+        return;
+    }
+    case GGML_Q8_0:
+        for (int64_t b = 0; b < k / 32; b++, row += 34, u += 32, d += 2, m += 2) {
+            const float scale = half_at(row);
+            for (int j = 0; j < 32; j++) u[j] = row[2 + j] ^ 0x80; /* int8 + 128 */
+            set_groups(d, m, 2, scale, -128.0f * scale);
+        }
+        return;
+    case GGML_Q4_K:
+    case GGML_Q5_K: {
+        const int five = type == GGML_Q5_K;
+        const int64_t block_bytes = five ? 176 : 144;
+        for (int64_t b = 0; b < k / 256; b++, row += block_bytes) {
+            const float scale = half_at(row), min_scale = half_at(row + 2);
+            const uint8_t *scales = row + 4, *qh = row + 16, *q = row + (five ? 48 : 16);
+            for (int j = 0; j < 4; j++, q += 32, u += 64, d += 4, m += 4) {
+                uint8_t sc, mn;
+                for (int l = 0; l < 32; l++) {
+                    u[l] = q[l] & 0xF;
+                    u[32 + l] = q[l] >> 4;
+                }
+                if (five) {
+                    for (int l = 0; l < 32; l++) {
+                        u[l] |= (uint8_t)(((qh[l] >> (2 * j)) & 1) << 4);
+                        u[32 + l] |= (uint8_t)(((qh[l] >> (2 * j + 1)) & 1) << 4);
+                    }
+                }
+                scale_min_k4(2 * j, scales, &sc, &mn);
+                set_groups(d, m, 2, scale * sc, -(min_scale * mn));
+                scale_min_k4(2 * j + 1, scales, &sc, &mn);
+                set_groups(d + 2, m + 2, 2, scale * sc, -(min_scale * mn));
+            }
+        }
+        return;
+    }
+    case GGML_Q6_K:
+        for (int64_t b = 0; b < k / 256; b++, row += 210) {
+            const float scale = half_at(row + 208);
+            const uint8_t *ql = row, *qh = row + 128;
+            const int8_t *sc = (const int8_t *)(row + 192);
+            for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, u += 128, d += 8, m += 8) {
+                /* element l + 32q of the 128: low 4 bits from ql[l] (q 0, 2) or ql[l + 32] (q 1, 3),
+                   low nibble for q < 2, high for q ≥ 2; high 2 bits from qh[l] >> 2q; scale
+                   sc[l / 16 + 2q] */
+                for (int q = 0; q < 4; q++) {
+                    const uint8_t *low = ql + (q & 1) * 32;
+                    const int shift = q < 2 ? 0 : 4;
+                    for (int l = 0; l < 32; l++)
+                        u[32 * q + l] = (uint8_t)(((low[l] >> shift) & 0xF) | (((qh[l] >> (2 * q)) & 3) << 4));
+                    for (int part = 0; part < 2; part++) {
+                        const float group_scale = scale * (float)sc[part + 2 * q];
+                        d[2 * q + part] = group_scale;
+                        m[2 * q + part] = -32.0f * group_scale;
+                    }
+                }
+            }
+        }
+        return;
+    }
+}
+
+/* ---------------------------------------------------------------- activations */
+
+/* An activation row rounded to 8 bits: q[k] (int8, and int16 for AVX2), per-block scales, and per
+   group the float dx·Σq (the offset term's factor). */
+typedef struct {
+    int8_t *q;
+    int16_t *q16;
+    float *scale; /* k/32 */
+    float *lane_scale; /* k/4: each block's scale once per 4 codes (VNNI lanes) */
+    float *group_sum;  /* k/16: scale of the block × Σ q over the group */
+} CodedActivations;
+
+static size_t activation_bytes(int64_t k) {
+    return (size_t)k * 3 + (size_t)(k / 32 + k / 4 + k / 16) * 4 + 64 * 5;
+}
+
+static CodedActivations activation_layout(uint8_t *base, int64_t k) {
+    CodedActivations a;
+    const size_t k_up = ((size_t)k + 63) & ~(size_t)63;
+    a.q = (int8_t *)base;
+    a.q16 = (int16_t *)(base + k_up);
+    a.scale = (float *)(base + 3 * k_up);
+    a.lane_scale = a.scale + ((k / 32 + 15) & ~15);
+    a.group_sum = a.lane_scale + ((k / 4 + 15) & ~15);
+    return a;
+}
+
+/* Rounds x[k] to 8 bits per block of 32: scale = max|x| / 127, q = round(x / scale). */
+__attribute__((noinline)) static void code_activations(const float *restrict x, int64_t k, CodedActivations a) {
+    for (int64_t b = 0; b < k / 32; b++) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[32 * b + j]));
+        const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        a.scale[b] = scale;
+        for (int j = 0; j < 8; j++) a.lane_scale[8 * b + j] = scale;
+        for (int g = 0; g < 2; g++) {
+            int sum = 0;
+            for (int j = 16 * g; j < 16 * g + 16; j++) {
+                const int q = (int)nearbyintf(x[32 * b + j] * inverse);
+                a.q[32 * b + j] = (int8_t)q;
+                a.q16[32 * b + j] = (int16_t)q;
+                sum += q;
+            }
+            a.group_sum[2 * b + g] = scale * (float)sum;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- dot products */
+
+/* Σ_g m_g · group_sum_g over k/16 groups: the offset term of one row pair. */
+static inline float offset_term(const float *restrict m, const float *restrict group_sum, int64_t groups) {
+    float acc[8] = {0};
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8)
+        for (int j = 0; j < 8; j++) acc[j] += m[g + j] * group_sum[g + j];
+    for (int j = 0; g < groups; g++, j++) acc[j] += m[g] * group_sum[g];
+    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+}
+
+/* out[r] = x · w[r] for r < TILE_ROWS, w the coded rows (codes `ld` bytes apart, scales and offsets
+   `ld / 16` floats apart). The same operations per row whatever the other rows hold. */
+__attribute__((noinline)) static void coded_tile_dots(CodedActivations x, const uint8_t *u, const float *d, const float *m, int64_t ld,
+                            int64_t k, float *out) {
+    const int64_t groups = k / GROUP, gld = ld / GROUP;
+#if defined(Q8_VNNI)
+    /* 64 codes a step: vpdpbusd leaves 16 lanes, lane j the sum of codes 4j..4j+3, so lanes 4g..4g+3
+       are group g's; scaled per lane by d (expanded from the group) × the block's scale. */
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m512 acc[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 64) {
+        const __mmask64 bytes = k - i >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (k - i)) - 1;
+        const __mmask16 lanes = k - i >= 64 ? (__mmask16)0xFFFF : (__mmask16)0x00FF;
+        const __m512i xq = _mm512_maskz_loadu_epi8(bytes, x.q + i);
+        const __m512 xs = _mm512_maskz_loadu_ps(lanes, x.lane_scale + i / 4);
+        for (int r = 0; r < TILE_ROWS; r++) {
+            const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_maskz_loadu_epi8(bytes, u + r * ld + i), xq);
+            const __m512 group_d = _mm512_permutexvar_ps(
+                spread, _mm512_castps128_ps512(_mm_maskz_loadu_ps(lanes == 0xFFFF ? 0xF : 0x3, d + r * gld + i / GROUP)));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(group_d, xs), acc[r]);
+        }
+    }
+    for (int r = 0; r < TILE_ROWS; r++)
+        out[r] = _mm512_reduce_add_ps(acc[r]) + offset_term(m + r * gld, x.group_sum, groups);
+#elif defined(Q8_AVX2)
+    /* 16 codes a step (one group): vpmaddwd of int16 codes leaves 8 lanes, scaled by d_g × dx. */
+    __m256 acc[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const __m256i xq = _mm256_loadu_si256((const __m256i *)(x.q16 + GROUP * g));
+        const float dx = x.scale[g / 2];
+        for (int r = 0; r < TILE_ROWS; r++) {
+            const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(u + r * ld + GROUP * g)));
+            const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(w, xq));
+            acc[r] = _mm256_fmadd_ps(sums, _mm256_set1_ps(d[r * gld + g] * dx), acc[r]);
+        }
+    }
+    for (int r = 0; r < TILE_ROWS; r++) {
+        __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
+        sum4 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
+        sum4 = _mm_add_ss(sum4, _mm_movehdup_ps(sum4));
+        out[r] = _mm_cvtss_f32(sum4) + offset_term(m + r * gld, x.group_sum, groups);
+    }
+#else
+    for (int r = 0; r < TILE_ROWS; r++) {
+        float acc = 0.0f;
+        for (int64_t g = 0; g < groups; g++) {
+            int32_t sum = 0;
+            for (int j = 0; j < GROUP; j++) sum += (int32_t)u[r * ld + GROUP * g + j] * (int32_t)x.q[GROUP * g + j];
+            acc += (float)sum * (d[r * gld + g] * x.scale[g / 2]);
+        }
+        out[r] = acc + offset_term(m + r * gld, x.group_sum, groups);
+    }
+#endif
+}
+
+/* ---------------------------------------------------------------- products */
+
+/* Asks for the file bytes of output rows n0..n0+count (the next tile) to be brought into L2 while
+   this tile is computed: one weight stream per thread is otherwise bound by memory latency. */
+static void prefetch_rows(const BlockMatrix *w, int64_t n0, int64_t count) {
+#if !defined(POLYLANE_PORTABLE) && (defined(__SSE__) || defined(__AVX2__))
+    for (int64_t n = n0; n < n0 + count && n < w->out_features; n++) {
+        int64_t type;
+        const uint8_t *row = source_row(w, n, &type);
+        const int64_t bytes = block_row_bytes(type, w->in_features);
+        for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch((const char *)row + offset, _MM_HINT_T1);
+    }
+#else
+    (void)w, (void)n0, (void)count;
+#endif
+}
+
+static int coded_matrix(const BlockMatrix *w) {
+    for (int64_t s = 0; s < w->num_segments; s++)
+        if (!has_codes(w->segments[s].type)) return 0;
+    return 1;
+}
+
+/* y (rows, out_features) = x·Wᵀ + bias with x rounded to 8 bits per block (blocks.c's matmul when
+   the matrix asks for 8-bit activations). 0, or 1 when scratch memory ran out. */
+static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, float *y, int threads) {
+    const int64_t k = w->in_features, n_total = w->out_features, groups = k / GROUP;
+    const int64_t tiles = (n_total + TILE_ROWS - 1) / TILE_ROWS;
+    const size_t x_bytes = (activation_bytes(k) + 63) & ~(size_t)63;
+    int64_t x_block = X_BLOCK_BYTES / (int64_t)x_bytes;
+    if (x_block < 16) x_block = 16;
+    if (x_block > rows) x_block = rows;
+    if (threads < 1) threads = 1;
+    const size_t tile_bytes = (size_t)TILE_ROWS * ((size_t)k + 2 * (size_t)groups * sizeof(float)) + 64;
+    uint8_t *activations = aligned_alloc(64, x_bytes * (size_t)x_block);
+    uint8_t *tiles_scratch = aligned_alloc(64, ((tile_bytes + 63) & ~(size_t)63) * (size_t)threads);
+    if (activations == NULL || tiles_scratch == NULL) {
+        free(activations);
+        free(tiles_scratch);
+        return 1;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        uint8_t *scratch = tiles_scratch + ((tile_bytes + 63) & ~(size_t)63) * (size_t)omp_get_thread_num();
+        const CodedRow coded = {scratch, (float *)(scratch + TILE_ROWS * k), (float *)(scratch + TILE_ROWS * k) + TILE_ROWS * groups};
+        for (int64_t m0 = 0; m0 < rows; m0 += x_block) {
+            const int64_t m1 = m0 + x_block < rows ? m0 + x_block : rows;
+#pragma omp for schedule(static)
+            for (int64_t m = m0; m < m1; m++)
+                code_activations(x + m * k, k, activation_layout(activations + (size_t)(m - m0) * x_bytes, k));
+#pragma omp for schedule(static)
+            for (int64_t tile = 0; tile < tiles; tile++) {
+                const int64_t n0 = tile * TILE_ROWS;
+                const int64_t count = n0 + TILE_ROWS <= n_total ? TILE_ROWS : n_total - n0;
+                if (tile + 1 < tiles) prefetch_rows(w, n0 + TILE_ROWS, TILE_ROWS);
+                for (int64_t r = 0; r < TILE_ROWS; r++) {
+                    const CodedRow row = {coded.u + r * k, coded.d + r * groups, coded.m + r * groups};
+                    if (r < count) {
+                        int64_t type;
+                        const uint8_t *source = source_row(w, n0 + r, &type);
+                        code_row(type, source, k, row);
+                    } else {
+                        memcpy(row.u, coded.u, (size_t)k);
+                        memcpy(row.d, coded.d, (size_t)groups * sizeof(float));
+                        memcpy(row.m, coded.m, (size_t)groups * sizeof(float));
+                    }
+                }
+                for (int64_t m = m0; m < m1; m++) {
+                    float out[TILE_ROWS];
+                    coded_tile_dots(activation_layout(activations + (size_t)(m - m0) * x_bytes, k), coded.u, coded.d,
+                                    coded.m, k, k, out);
+                    for (int64_t r = 0; r < count; r++)
+                        y[m * n_total + n0 + r] = w->bias ? out[r] + w->bias[n0 + r] : out[r];
+                }
+            }
+        }
+    }
+    free(activations);
+    free(tiles_scratch);
+    return 0;
+}
