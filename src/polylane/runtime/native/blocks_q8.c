@@ -25,7 +25,13 @@ path of blocks.c.
 #define Q8_AVX2 1
 #endif
 
-#define GROUP 16 /* weights per (d, m) pair */
+#define GROUP 16  /* weights per (d, m) pair */
+#define MAX_CHUNK 2560 /* columns of a tile's rows coded at a time, at most (their codes stay in L1) */
+#if defined(Q8_VNNI)
+#define D_PER_GROUP 4 /* a coded row's d is expanded to one float per vpdpbusd lane */
+#else
+#define D_PER_GROUP 1
+#endif
 
 /* One weight row as codes: u[k], d[k/16], m[k/16]. */
 typedef struct {
@@ -33,6 +39,21 @@ typedef struct {
     float *d;
     float *m;
 } CodedRow;
+
+/* For VNNI: d[k/16] rewritten in place as one float per lane (4 per group, k/4 floats; the row's
+   d buffer has room for them). Elsewhere nothing. */
+static inline void expand_lanes(float *d, int64_t groups) {
+#if defined(Q8_VNNI)
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    int64_t g = groups & ~(int64_t)3;
+    for (int64_t tail = groups - 1; tail >= g; tail--) /* a last 1–3 groups */
+        for (int j = 3; j >= 0; j--) d[4 * tail + j] = d[tail];
+    for (g -= 4; g >= 0; g -= 4) /* from the end, so no group is overwritten before it is read */
+        _mm512_storeu_ps(d + 4 * g, _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(d + g))));
+#else
+    (void)d, (void)groups;
+#endif
+}
 
 static int has_codes(int64_t type) {
     return type != GGML_F32 && type != GGML_F16 && type != GGML_BF16;
@@ -61,26 +82,74 @@ static inline void nibbles_simd(const uint8_t *restrict qs, uint8_t *restrict u)
     _mm_storeu_si128((__m128i *)(u + 16), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
 }
 
+/* A 32-block's d for its two groups (one float per group, or per lane with VNNI) and m. */
+static inline void set_block_scales(float *d, float *m, float scale, float offset) {
+#if defined(Q8_VNNI)
+    _mm256_storeu_ps(d, _mm256_set1_ps(scale));
+#else
+    d[0] = d[1] = scale;
+#endif
+    m[0] = m[1] = offset;
+}
+
+/* Eight groups' d (one float each, or four per group with VNNI). */
+static inline void store_scales8(float *d, __m256 scales) {
+#if defined(Q8_VNNI)
+    const __m512 wide = _mm512_castps256_ps512(scales);
+    _mm512_storeu_ps(d, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), wide));
+    _mm512_storeu_ps(d + 16, _mm512_permutexvar_ps(_mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7), wide));
+#else
+    _mm256_storeu_ps(d, scales);
+#endif
+}
+
+/* A Q4_K/Q5_K super-block's 16 group scales and offsets: its eight 6-bit (scale, min) pairs
+   unpacked as ggml's vec_dot does (four 32-bit words), times d and −dmin, each for two groups. */
+static inline void k4_group_scales(const uint8_t *block, float *d, float *m) {
+    uint32_t words[4];
+    memcpy(words, block + 4, 12);
+    words[3] = ((words[2] >> 4) & 0x0f0f0f0f) | (((words[1] >> 6) & 0x03030303) << 4);
+    const uint32_t mins_low = words[1] & 0x3f3f3f3f;
+    words[1] = (words[2] & 0x0f0f0f0f) | (((words[0] >> 6) & 0x03030303) << 4);
+    words[2] = mins_low;
+    words[0] &= 0x3f3f3f3f; /* bytes 0–7: scales of sub-blocks 0–7; bytes 8–15: their mins */
+    const __m128i packed = _mm_loadu_si128((const __m128i *)words);
+    const __m256 scales = _mm256_mul_ps(_mm256_set1_ps(half_at(block)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
+    const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(-half_at(block + 2)),
+                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
+    const __m256i first = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), second = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+#if defined(Q8_VNNI)
+    const __m512 wide = _mm512_castps256_ps512(scales); /* sub-block j (two groups) → lanes 8j..8j+7 */
+    for (int i = 0; i < 4; i++)
+        _mm512_storeu_ps(d + 16 * i, _mm512_permutexvar_ps(_mm512_set_epi32(2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i), wide));
+#else
+    _mm256_storeu_ps(d, _mm256_permutevar8x32_ps(scales, first));
+    _mm256_storeu_ps(d + 8, _mm256_permutevar8x32_ps(scales, second));
+#endif
+    _mm256_storeu_ps(m, _mm256_permutevar8x32_ps(mins, first));
+    _mm256_storeu_ps(m + 8, _mm256_permutevar8x32_ps(mins, second));
+}
+
 static int simd_code_row(int64_t type, const uint8_t *restrict row, int64_t k, CodedRow out) {
     uint8_t *restrict u = out.u;
     float *restrict d = out.d, *restrict m = out.m;
     const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
     switch (type) {
     case GGML_Q4_0:
-        for (int64_t b = 0; b < k / 32; b++, row += 18, u += 32, d += 2, m += 2) {
+        for (int64_t b = 0; b < k / 32; b++, row += 18, u += 32, d += 2 * D_PER_GROUP, m += 2) {
             const float scale = half_at(row);
             nibbles_simd(row + 2, u);
-            set_groups(d, m, 2, scale, -8.0f * scale);
+            set_block_scales(d, m, scale, -8.0f * scale);
         }
         return 1;
     case GGML_Q4_1:
-        for (int64_t b = 0; b < k / 32; b++, row += 20, u += 32, d += 2, m += 2) {
+        for (int64_t b = 0; b < k / 32; b++, row += 20, u += 32, d += 2 * D_PER_GROUP, m += 2) {
             nibbles_simd(row + 4, u);
-            set_groups(d, m, 2, half_at(row), half_at(row + 2));
+            set_block_scales(d, m, half_at(row), half_at(row + 2));
         }
         return 1;
     case GGML_Q5_0:
-        for (int64_t b = 0; b < k / 32; b++, row += 22, u += 32, d += 2, m += 2) {
+        for (int64_t b = 0; b < k / 32; b++, row += 22, u += 32, d += 2 * D_PER_GROUP, m += 2) {
             const float scale = half_at(row);
             uint32_t qh;
             memcpy(&qh, row + 2, 4);
@@ -88,31 +157,26 @@ static int simd_code_row(int64_t type, const uint8_t *restrict row, int64_t k, C
             _mm_storeu_si128((__m128i *)u, _mm_or_si128(_mm_and_si128(bytes, nibble), fifth_bits(qh, 0)));
             _mm_storeu_si128((__m128i *)(u + 16),
                              _mm_or_si128(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), fifth_bits(qh, 16)));
-            set_groups(d, m, 2, scale, -16.0f * scale);
+            set_block_scales(d, m, scale, -16.0f * scale);
         }
         return 1;
     case GGML_Q8_0:
-        for (int64_t b = 0; b < k / 32; b++, row += 34, u += 32, d += 2, m += 2) {
+        for (int64_t b = 0; b < k / 32; b++, row += 34, u += 32, d += 2 * D_PER_GROUP, m += 2) {
             const float scale = half_at(row);
             _mm256_storeu_si256((__m256i *)u, _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row + 2)),
                                                                _mm256_set1_epi8((char)0x80)));
-            set_groups(d, m, 2, scale, -128.0f * scale);
+            set_block_scales(d, m, scale, -128.0f * scale);
         }
         return 1;
     case GGML_Q4_K:
-        for (int64_t b = 0; b < k / 256; b++, row += 144) {
-            const float scale = half_at(row), min_scale = half_at(row + 2);
-            const uint8_t *scales = row + 4, *q = row + 16;
-            for (int j = 0; j < 4; j++, q += 32, u += 64, d += 4, m += 4) {
+        for (int64_t b = 0; b < k / 256; b++, row += 144, d += 16 * D_PER_GROUP, m += 16) {
+            const uint8_t *q = row + 16;
+            for (int j = 0; j < 4; j++, q += 32, u += 64) {
                 const __m256i bytes = _mm256_loadu_si256((const __m256i *)q);
                 _mm256_storeu_si256((__m256i *)u, _mm256_and_si256(bytes, low4));
                 _mm256_storeu_si256((__m256i *)(u + 32), _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4));
-                uint8_t sc, mn;
-                scale_min_k4(2 * j, scales, &sc, &mn);
-                set_groups(d, m, 2, scale * sc, -(min_scale * mn));
-                scale_min_k4(2 * j + 1, scales, &sc, &mn);
-                set_groups(d + 2, m + 2, 2, scale * sc, -(min_scale * mn));
             }
+            k4_group_scales(row, d, m);
         }
         return 1;
     case GGML_Q6_K:
@@ -120,7 +184,7 @@ static int simd_code_row(int64_t type, const uint8_t *restrict row, int64_t k, C
             const float scale = half_at(row + 208);
             const uint8_t *ql = row, *qh = row + 128;
             const int8_t *sc = (const int8_t *)(row + 192);
-            for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, u += 128, d += 8, m += 8) {
+            for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, u += 128, d += 8 * D_PER_GROUP, m += 8) {
                 const __m256i low_a = _mm256_loadu_si256((const __m256i *)ql);
                 const __m256i low_b = _mm256_loadu_si256((const __m256i *)(ql + 32));
                 const __m256i high = _mm256_loadu_si256((const __m256i *)qh);
@@ -129,12 +193,11 @@ static int simd_code_row(int64_t type, const uint8_t *restrict row, int64_t k, C
                     const __m256i nibble = _mm256_and_si256(q < 2 ? low : _mm256_srli_epi16(low, 4), low4);
                     const __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * q)), low2), 4);
                     _mm256_storeu_si256((__m256i *)(u + 32 * q), _mm256_or_si256(nibble, top));
-                    for (int part = 0; part < 2; part++) {
-                        const float group_scale = scale * (float)sc[part + 2 * q];
-                        d[2 * q + part] = group_scale;
-                        m[2 * q + part] = -32.0f * group_scale;
-                    }
                 }
+                /* group 2q + part takes sc[2q + part]: the scales are in group order */
+                const __m256 group_scale = _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc))));
+                store_scales8(d, group_scale);
+                _mm256_storeu_ps(m, _mm256_mul_ps(_mm256_set1_ps(-32.0f), group_scale));
             }
         }
         return 1;
@@ -143,11 +206,19 @@ static int simd_code_row(int64_t type, const uint8_t *restrict row, int64_t k, C
 }
 #endif
 
+static void scalar_code_row(int64_t type, const uint8_t *restrict row, int64_t k, CodedRow out);
+
 /* A row of k elements of a quantised `type` as codes, scales and offsets (see the file comment). */
 __attribute__((noinline)) static void code_row(int64_t type, const uint8_t *restrict row, int64_t k, CodedRow out) {
 #if !defined(POLYLANE_PORTABLE) && defined(__AVX2__)
     if (simd_code_row(type, row, k, out)) return;
 #endif
+    scalar_code_row(type, row, k, out);
+    expand_lanes(out.d, k / GROUP);
+}
+
+/* code_row in C, d one float per group. */
+static void scalar_code_row(int64_t type, const uint8_t *restrict row, int64_t k, CodedRow out) {
     uint8_t *restrict u = out.u;
     float *restrict d = out.d, *restrict m = out.m;
     switch (type) {
@@ -289,87 +360,114 @@ __attribute__((noinline)) static void code_activations(const float *restrict x, 
 
 /* Σ_g m_g · group_sum_g over k/16 groups: the offset term of one row pair. */
 static inline float offset_term(const float *restrict m, const float *restrict group_sum, int64_t groups) {
+#if defined(Q8_VNNI)
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g += 16) {
+        const __mmask16 lanes = groups - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, m + g), _mm512_maskz_loadu_ps(lanes, group_sum + g), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+#elif defined(Q8_AVX2)
+    __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + g), _mm256_loadu_ps(group_sum + g), acc);
+    __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    sum4 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
+    sum4 = _mm_add_ss(sum4, _mm_movehdup_ps(sum4));
+    float total = _mm_cvtss_f32(sum4);
+    for (; g < groups; g++) total += m[g] * group_sum[g];
+    return total;
+#else
     float acc[8] = {0};
     int64_t g = 0;
     for (; g + 8 <= groups; g += 8)
         for (int j = 0; j < 8; j++) acc[j] += m[g + j] * group_sum[g + j];
     for (int j = 0; g < groups; g++, j++) acc[j] += m[g] * group_sum[g];
     return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+#endif
 }
 
-/* out[r] = x · w[r] for r < TILE_ROWS, w the coded rows (codes `ld` bytes apart, scales and offsets
-   `ld / 16` floats apart). The same operations per row whatever the other rows hold. */
-__attribute__((noinline)) static void coded_tile_dots(CodedActivations x, const uint8_t *u, const float *d, const float *m, int64_t ld,
-                            int64_t k, float *out) {
-    const int64_t groups = k / GROUP, gld = ld / GROUP;
+/* A tile's running sums: per weight row, one vector of lanes (16 floats for VNNI, 8 for AVX2, the
+   first only in C), kept between the chunks of a row. */
+typedef struct {
+    float lanes[TILE_ROWS][16];
+} TileSums;
+
+/* Adds x[c0, c0 + len) · w[r][c0, c0 + len) to sums->lanes[r] for r < TILE_ROWS: w the tile's coded
+   chunk (codes `chunk` bytes apart, lane or group scales `chunk / 16 · D_PER_GROUP` floats apart).
+   Every row's lanes see the same operations whatever the other rows hold or the batch is. */
+static void coded_tile_step(const CodedActivations *x, int64_t c0, int64_t len, int64_t chunk, const uint8_t *u,
+                            const float *d, TileSums *sums) {
+    const int64_t d_ld = chunk / GROUP * D_PER_GROUP;
 #if defined(Q8_VNNI)
-    /* 64 codes a step: vpdpbusd leaves 16 lanes, lane j the sum of codes 4j..4j+3, so lanes 4g..4g+3
-       are group g's; scaled per lane by d (expanded from the group) × the block's scale. */
-    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    __m512 acc[TILE_ROWS];
-    for (int r = 0; r < TILE_ROWS; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; i += 64) {
-        const __mmask64 bytes = k - i >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (k - i)) - 1;
-        const __mmask16 lanes = k - i >= 64 ? (__mmask16)0xFFFF : (__mmask16)0x00FF;
-        const __m512i xq = _mm512_maskz_loadu_epi8(bytes, x.q + i);
-        const __m512 xs = _mm512_maskz_loadu_ps(lanes, x.lane_scale + i / 4);
-        for (int r = 0; r < TILE_ROWS; r++) {
-            const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_maskz_loadu_epi8(bytes, u + r * ld + i), xq);
-            const __m512 group_d = _mm512_permutexvar_ps(
-                spread, _mm512_castps128_ps512(_mm_maskz_loadu_ps(lanes == 0xFFFF ? 0xF : 0x3, d + r * gld + i / GROUP)));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(group_d, xs), acc[r]);
-        }
+    /* 64 codes a step: vpdpbusd leaves 16 lanes, lane j the sum of codes 4j..4j+3 (lanes 4g..4g+3 are
+       group g's), scaled by the group's d (one float per lane) times the block's activation scale. */
+    __m512 acc0 = _mm512_loadu_ps(sums->lanes[0]), acc1 = _mm512_loadu_ps(sums->lanes[1]);
+    __m512 acc2 = _mm512_loadu_ps(sums->lanes[2]), acc3 = _mm512_loadu_ps(sums->lanes[3]);
+    const int8_t *xq_base = x->q + c0;
+    const float *xs_base = x->lane_scale + c0 / 4;
+    for (int64_t i = 0; i < len; i += 64) {
+        const __mmask64 bytes = len - i >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (len - i)) - 1;
+        const __mmask16 lanes = len - i >= 64 ? (__mmask16)0xFFFF : (__mmask16)0x00FF;
+        const __m512i xq = _mm512_maskz_loadu_epi8(bytes, xq_base + i);
+        const __m512 xs = _mm512_maskz_loadu_ps(lanes, xs_base + i / 4);
+#define ROW_STEP(r, acc)                                                                                      \
+    acc = _mm512_fmadd_ps(                                                                                    \
+        _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_maskz_loadu_epi8(bytes, u + (r) * chunk + i), xq)), \
+        _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, d + (r) * d_ld + i / 4), xs), acc)
+        ROW_STEP(0, acc0);
+        ROW_STEP(1, acc1);
+        ROW_STEP(2, acc2);
+        ROW_STEP(3, acc3);
+#undef ROW_STEP
     }
-    for (int r = 0; r < TILE_ROWS; r++)
-        out[r] = _mm512_reduce_add_ps(acc[r]) + offset_term(m + r * gld, x.group_sum, groups);
+    _mm512_storeu_ps(sums->lanes[0], acc0);
+    _mm512_storeu_ps(sums->lanes[1], acc1);
+    _mm512_storeu_ps(sums->lanes[2], acc2);
+    _mm512_storeu_ps(sums->lanes[3], acc3);
 #elif defined(Q8_AVX2)
     /* 16 codes a step (one group): vpmaddwd of int16 codes leaves 8 lanes, scaled by d_g × dx. */
     __m256 acc[TILE_ROWS];
-    for (int r = 0; r < TILE_ROWS; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        const __m256i xq = _mm256_loadu_si256((const __m256i *)(x.q16 + GROUP * g));
-        const float dx = x.scale[g / 2];
+    for (int r = 0; r < TILE_ROWS; r++) acc[r] = _mm256_loadu_ps(sums->lanes[r]);
+    for (int64_t g = 0; g < len / GROUP; g++) {
+        const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q16 + c0 + GROUP * g));
+        const float dx = x->scale[(c0 + GROUP * g) / 32];
         for (int r = 0; r < TILE_ROWS; r++) {
-            const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(u + r * ld + GROUP * g)));
-            const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(w, xq));
-            acc[r] = _mm256_fmadd_ps(sums, _mm256_set1_ps(d[r * gld + g] * dx), acc[r]);
+            const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(u + r * chunk + GROUP * g)));
+            const __m256 products = _mm256_cvtepi32_ps(_mm256_madd_epi16(w, xq));
+            acc[r] = _mm256_fmadd_ps(products, _mm256_set1_ps(d[r * d_ld + g] * dx), acc[r]);
         }
     }
-    for (int r = 0; r < TILE_ROWS; r++) {
-        __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(acc[r]), _mm256_extractf128_ps(acc[r], 1));
-        sum4 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
-        sum4 = _mm_add_ss(sum4, _mm_movehdup_ps(sum4));
-        out[r] = _mm_cvtss_f32(sum4) + offset_term(m + r * gld, x.group_sum, groups);
-    }
+    for (int r = 0; r < TILE_ROWS; r++) _mm256_storeu_ps(sums->lanes[r], acc[r]);
 #else
     for (int r = 0; r < TILE_ROWS; r++) {
-        float acc = 0.0f;
-        for (int64_t g = 0; g < groups; g++) {
+        float acc = sums->lanes[r][0];
+        for (int64_t g = 0; g < len / GROUP; g++) {
             int32_t sum = 0;
-            for (int j = 0; j < GROUP; j++) sum += (int32_t)u[r * ld + GROUP * g + j] * (int32_t)x.q[GROUP * g + j];
-            acc += (float)sum * (d[r * gld + g] * x.scale[g / 2]);
+            for (int j = 0; j < GROUP; j++) sum += (int32_t)u[r * chunk + GROUP * g + j] * (int32_t)x->q[c0 + GROUP * g + j];
+            acc += (float)sum * (d[r * d_ld + g] * x->scale[(c0 + GROUP * g) / 32]);
         }
-        out[r] = acc + offset_term(m + r * gld, x.group_sum, groups);
+        sums->lanes[r][0] = acc;
     }
+#endif
+}
+
+/* The sum of one row's lanes (see TileSums). */
+static inline float lanes_total(const float *lanes) {
+#if defined(Q8_VNNI)
+    return _mm512_reduce_add_ps(_mm512_loadu_ps(lanes));
+#elif defined(Q8_AVX2)
+    const __m256 acc = _mm256_loadu_ps(lanes);
+    __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    sum4 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
+    sum4 = _mm_add_ss(sum4, _mm_movehdup_ps(sum4));
+    return _mm_cvtss_f32(sum4);
+#else
+    return lanes[0];
 #endif
 }
 
 /* ---------------------------------------------------------------- products */
-
-/* Asks for the file bytes of output rows n0..n0+count (the next tile) to be brought into L2 while
-   this tile is computed: one weight stream per thread is otherwise bound by memory latency. */
-static void prefetch_rows(const BlockMatrix *w, int64_t n0, int64_t count) {
-#if !defined(POLYLANE_PORTABLE) && (defined(__SSE__) || defined(__AVX2__))
-    for (int64_t n = n0; n < n0 + count && n < w->out_features; n++) {
-        int64_t type;
-        const uint8_t *row = source_row(w, n, &type);
-        const int64_t bytes = block_row_bytes(type, w->in_features);
-        for (int64_t offset = 0; offset < bytes; offset += 64) _mm_prefetch((const char *)row + offset, _MM_HINT_T1);
-    }
-#else
-    (void)w, (void)n0, (void)count;
-#endif
-}
 
 static int coded_matrix(const BlockMatrix *w) {
     for (int64_t s = 0; s < w->num_segments; s++)
@@ -378,7 +476,11 @@ static int coded_matrix(const BlockMatrix *w) {
 }
 
 /* y (rows, out_features) = x·Wᵀ + bias with x rounded to 8 bits per block (blocks.c's matmul when
-   the matrix asks for 8-bit activations). 0, or 1 when scratch memory ran out. */
+   the matrix asks for 8-bit activations). 0, or 1 when scratch memory ran out.
+
+   Per thread, a tile of TILE_ROWS weight rows is coded `chunk` columns at a time (whole rows up to MAX_CHUNK) into a buffer that
+   stays in L1, and every activation row of the block takes that chunk before the next is coded;
+   each (activation row, weight row) pair keeps its running lanes in a TileSums between chunks. */
 static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, float *y, int threads) {
     const int64_t k = w->in_features, n_total = w->out_features, groups = k / GROUP;
     const int64_t tiles = (n_total + TILE_ROWS - 1) / TILE_ROWS;
@@ -387,51 +489,63 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
     if (x_block < 16) x_block = 16;
     if (x_block > rows) x_block = rows;
     if (threads < 1) threads = 1;
-    const size_t tile_bytes = (size_t)TILE_ROWS * ((size_t)k + 2 * (size_t)groups * sizeof(float)) + 64;
+    /* whole rows where they fit, else about equal pieces of whole super-blocks */
+    const int64_t pieces = (k + MAX_CHUNK - 1) / MAX_CHUNK;
+    const int64_t chunk = ((k / pieces + 255) / 256) * 256 < k ? ((k / pieces + 255) / 256) * 256 : k;
+    const int64_t d_ld = chunk / GROUP * D_PER_GROUP;
+    /* per thread: codes, d and the whole rows' m for the tile, then the pairs' running sums */
+    const size_t codes_bytes = (size_t)TILE_ROWS * chunk, d_bytes = (size_t)TILE_ROWS * d_ld * sizeof(float);
+    const size_t m_bytes = ((size_t)TILE_ROWS * groups * sizeof(float) + 63) & ~(size_t)63;
+    const size_t thread_bytes = codes_bytes + d_bytes + m_bytes + (size_t)x_block * sizeof(TileSums);
     uint8_t *activations = aligned_alloc(64, x_bytes * (size_t)x_block);
-    uint8_t *tiles_scratch = aligned_alloc(64, ((tile_bytes + 63) & ~(size_t)63) * (size_t)threads);
-    if (activations == NULL || tiles_scratch == NULL) {
+    uint8_t *scratch_all = aligned_alloc(64, thread_bytes * (size_t)threads);
+    if (activations == NULL || scratch_all == NULL) {
         free(activations);
-        free(tiles_scratch);
+        free(scratch_all);
         return 1;
     }
 #pragma omp parallel num_threads(threads)
     {
-        uint8_t *scratch = tiles_scratch + ((tile_bytes + 63) & ~(size_t)63) * (size_t)omp_get_thread_num();
-        const CodedRow coded = {scratch, (float *)(scratch + TILE_ROWS * k), (float *)(scratch + TILE_ROWS * k) + TILE_ROWS * groups};
+        uint8_t *scratch = scratch_all + thread_bytes * (size_t)omp_get_thread_num();
+        uint8_t *codes = scratch;
+        float *d = (float *)(scratch + codes_bytes), *m = (float *)(scratch + codes_bytes + d_bytes);
+        TileSums *sums = (TileSums *)(scratch + codes_bytes + d_bytes + m_bytes);
         for (int64_t m0 = 0; m0 < rows; m0 += x_block) {
             const int64_t m1 = m0 + x_block < rows ? m0 + x_block : rows;
 #pragma omp for schedule(static)
-            for (int64_t m = m0; m < m1; m++)
-                code_activations(x + m * k, k, activation_layout(activations + (size_t)(m - m0) * x_bytes, k));
+            for (int64_t row = m0; row < m1; row++)
+                code_activations(x + row * k, k, activation_layout(activations + (size_t)(row - m0) * x_bytes, k));
 #pragma omp for schedule(static)
             for (int64_t tile = 0; tile < tiles; tile++) {
                 const int64_t n0 = tile * TILE_ROWS;
                 const int64_t count = n0 + TILE_ROWS <= n_total ? TILE_ROWS : n_total - n0;
-                if (tile + 1 < tiles) prefetch_rows(w, n0 + TILE_ROWS, TILE_ROWS);
-                for (int64_t r = 0; r < TILE_ROWS; r++) {
-                    const CodedRow row = {coded.u + r * k, coded.d + r * groups, coded.m + r * groups};
-                    if (r < count) {
-                        int64_t type;
-                        const uint8_t *source = source_row(w, n0 + r, &type);
-                        code_row(type, source, k, row);
-                    } else {
-                        memcpy(row.u, coded.u, (size_t)k);
-                        memcpy(row.d, coded.d, (size_t)groups * sizeof(float));
-                        memcpy(row.m, coded.m, (size_t)groups * sizeof(float));
+                const uint8_t *sources[TILE_ROWS];
+                int64_t types[TILE_ROWS];
+                for (int64_t r = 0; r < TILE_ROWS; r++) /* a short last tile repeats its first row */
+                    sources[r] = source_row(w, n0 + (r < count ? r : 0), &types[r]);
+                memset(sums, 0, (size_t)(m1 - m0) * sizeof(TileSums));
+                for (int64_t c0 = 0; c0 < k; c0 += chunk) {
+                    const int64_t len = k - c0 < chunk ? k - c0 : chunk;
+                    for (int64_t r = 0; r < TILE_ROWS; r++) {
+                        const CodedRow coded = {codes + r * chunk, d + r * d_ld, m + r * groups + c0 / GROUP};
+                        code_row(types[r], sources[r] + block_row_bytes(types[r], c0), len, coded);
+                    }
+                    for (int64_t row = m0; row < m1; row++) {
+                        const CodedActivations a = activation_layout(activations + (size_t)(row - m0) * x_bytes, k);
+                        coded_tile_step(&a, c0, len, chunk, codes, d, &sums[row - m0]);
                     }
                 }
-                for (int64_t m = m0; m < m1; m++) {
-                    float out[TILE_ROWS];
-                    coded_tile_dots(activation_layout(activations + (size_t)(m - m0) * x_bytes, k), coded.u, coded.d,
-                                    coded.m, k, k, out);
-                    for (int64_t r = 0; r < count; r++)
-                        y[m * n_total + n0 + r] = w->bias ? out[r] + w->bias[n0 + r] : out[r];
+                for (int64_t row = m0; row < m1; row++) {
+                    const CodedActivations a = activation_layout(activations + (size_t)(row - m0) * x_bytes, k);
+                    for (int64_t r = 0; r < count; r++) {
+                        const float total = lanes_total(sums[row - m0].lanes[r]) + offset_term(m + r * groups, a.group_sum, groups);
+                        y[row * n_total + n0 + r] = w->bias ? total + w->bias[n0 + r] : total;
+                    }
                 }
             }
         }
     }
     free(activations);
-    free(tiles_scratch);
+    free(scratch_all);
     return 0;
 }
