@@ -1,11 +1,13 @@
-"""How close to the file each engine computes: polylane's default (dtype auto) and llama.cpp,
-side by side, against an fp32 forward of the same GGUF file's weights dequantised by `gguf`.
+"""How close to the file each engine computes: polylane's default (dtype auto), polylane's
+auto-fp32 and llama.cpp, side by side, against an fp32 forward of the same GGUF file's weights
+dequantised by `gguf`.
 
 For each model, one prompt of `--positions` tokens: logits at every position from polylane at
-dtype auto (the file's blocks in place, float32 activations), from llama.cpp (llama-cpp-python,
-`logits_all`, which rounds activations to 8 bits for its integer dot products), and from
-polylane's fp32 load (the reference). Printed per model and engine: top-1 agreement with the
-reference and the mean-abs difference of the logits, and the ratio of the two engines' mean-abs.
+dtype auto (the file's blocks in place, activations rounded to 8 bits per block of 32 for integer
+dot products), at auto-fp32 (the same blocks, float32 activations), from llama.cpp
+(llama-cpp-python, `logits_all`, which also rounds activations to 8 bits), and from polylane's
+fp32 load (the reference). Printed per model and engine: top-1 agreement with the reference and
+the mean-abs difference of the logits, and llama.cpp's mean-abs over each polylane path's.
 
     python bench/file_fidelity.py                     # the four catalogue models
     python bench/file_fidelity.py --models smollm2-135m-instruct --positions 256
@@ -82,14 +84,16 @@ def main() -> None:
         reference = polylane_logits(name, "fp32", ids)
         rows = {
             "polylane auto": compare(polylane_logits(name, "auto", ids), reference),
+            "polylane auto-fp32": compare(polylane_logits(name, "auto-fp32", ids), reference),
             "llama.cpp": compare(llama_cpp_logits(str(source.path), ids, args.threads), reference),
         }
         results[name] = rows
         print(f"{name} ({len(ids)} positions, against fp32 of the file's weights):")
         for engine, row in rows.items():
-            print(f"  {engine:14} top-1 {row['top1']:.4f}  mean-abs {row['mean_abs']:.3e}")
-        ratio = rows["llama.cpp"]["mean_abs"] / max(rows["polylane auto"]["mean_abs"], 1e-30)
-        print(f"  llama.cpp's mean-abs is {ratio:.0f}x polylane's")
+            print(f"  {engine:18} top-1 {row['top1']:.4f}  mean-abs {row['mean_abs']:.3e}")
+        for engine in ("polylane auto", "polylane auto-fp32"):
+            ratio = rows["llama.cpp"]["mean_abs"] / max(rows[engine]["mean_abs"], 1e-30)
+            print(f"  llama.cpp's mean-abs is {ratio:.3g}x {engine}'s")
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     print(json.dumps(results))
 

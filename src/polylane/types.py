@@ -8,8 +8,10 @@ from polylane.policy.sequence_blocks import validate_tree
 
 # Weight dtypes a model can be served at: float32, bfloat16, or weight-only int8 / int4 projections
 # (`runtime.quantize`: torch's CPU kernels, float32 activations and KV around them).
-# "auto": the file's own — a GGUF file's quantised blocks computed in place (runtime.gguf_in_place)
-WEIGHT_DTYPES = ("auto", "fp32", "bf16", "int8", "int4")
+# "auto": the file's own — a GGUF file's quantised blocks computed in place (runtime.gguf_in_place),
+# activations rounded to 8 bits for integer dot products as llama.cpp does; "auto-fp32": the same
+# blocks multiplied with float32 activations (the fp32 product of the file's values; slower).
+WEIGHT_DTYPES = ("auto", "auto-fp32", "fp32", "bf16", "int8", "int4")
 DEFAULT_DTYPE = "auto"
 
 # Below this a temperature samples as greedy does: dividing logits by, say, 1e-300 overflows the

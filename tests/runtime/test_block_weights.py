@@ -86,9 +86,9 @@ def test_each_format_multiplies_like_its_values(name):
 
 
 def rounded_to_8_bits(x: np.ndarray) -> np.ndarray:
-    """x as the 8-bit activation kernels see it: per block of 32, codes round(x·127/max|x|) times
+    """x as the 8-bit activation kernels see it: per group of 16, codes round(x·127/max|x|) times
     the scale max|x|/127 (float32 arithmetic, as in blocks_q8.c)."""
-    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 16)
     amax = np.abs(blocks).max(axis=-1, keepdims=True)
     scale = amax / np.float32(127)
     inverse = (np.float32(127) / np.where(amax > 0, amax, np.float32(1))) * (amax > 0)

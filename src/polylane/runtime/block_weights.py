@@ -172,7 +172,9 @@ class BlockProjection(nn.Module):
             self._segments[index].type = part.type_id
             self._segments[index].rows = part.rows
         self._num_segments = len(parts)
-        self._matrix = BlockMatrix(self.in_features, self.out_features, len(parts), self._segments, None, check_bits(activation_bits))
+        self._matrix = BlockMatrix(
+            self.in_features, self.out_features, len(parts), self._segments, None, check_bits(activation_bits)
+        )
         self.bind()
         problem = library().polylane_blocks_check(ctypes.byref(self._matrix))
         if problem:
@@ -220,7 +222,9 @@ class BlockEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = tensor.rows, tensor.columns
         self.register_buffer("blocks_0", file_bytes(tensor.data))
         self._segment = Segment(tensor.type_id, None, tensor.rows, None)
-        self._matrix = BlockMatrix(tensor.columns, tensor.rows, 1, ctypes.pointer(self._segment), None, check_bits(activation_bits))
+        self._matrix = BlockMatrix(
+            tensor.columns, tensor.rows, 1, ctypes.pointer(self._segment), None, check_bits(activation_bits)
+        )
 
     def matrix(self) -> BlockMatrix:
         """The table as a C weight description (one segment, vocab rows; valid while this lives)."""

@@ -62,13 +62,14 @@ def why_not_native() -> str:
     return native_unavailable_reason() or native.int4_packing_problem() or "no native kernel fits its shapes"
 
 
-def auto_path(torch_path: str) -> str:
-    """What dtype auto computes with here: a GGUF file's blocks in place, or why not."""
+def auto_path(torch_path: str, activations: str = "8-bit activations") -> str:
+    """What dtype auto (or auto-fp32) computes with here: a GGUF file's blocks in place, or why not."""
     try:
         isa = block_weights.isa_name()
     except block_weights.BlockKernelsUnavailable as error:
         return f"{torch_path} on fp32 weights: {error}"
-    return f"a GGUF file's own blocks in place ({isa} block kernels), {torch_path} between them"
+    kernels = f"{isa} block kernels, {activations}"
+    return f"a GGUF file's own blocks in place ({kernels}), {torch_path} between them"
 
 
 def dtype_paths() -> dict[str, str]:
@@ -84,6 +85,7 @@ def dtype_paths() -> dict[str, str]:
         if packing is not None:
             paths["int4"] = f"{torch_path}: {packing}"
     paths["auto"] = auto_path(torch_path)
+    paths["auto-fp32"] = auto_path(torch_path, "float32 activations")
     return paths
 
 

@@ -1,4 +1,4 @@
-"""Load a GGUF file at dtype "auto": its quantised tensors used in place, nothing converted.
+"""Load a GGUF file at dtype "auto" (or "auto-fp32"): its quantised tensors used in place, nothing converted.
 
 What this module owns: building our decoder from a GGUF file so that every projection, the token
 embedding and the output matrix compute from the file's own blocks in its memory mapping
@@ -44,8 +44,9 @@ FUSED = {
 }
 
 
-def load_gguf_in_place(path: str | Path, progress: bool = False) -> LoadedWeights:
-    """The decoder of a GGUF file computing from the file's blocks in place (see module doc)."""
+def load_gguf_in_place(path: str | Path, progress: bool = False, activation_bits: int = 8) -> LoadedWeights:
+    """The decoder of a GGUF file computing from the file's blocks in place (see module doc), its
+    activations rounded to 8 bits for integer dot products (`activation_bits` 8) or float32 (32)."""
     path = Path(path)
     file = open_gguf(path)
     model_class, module, config = gguf_config(file)
@@ -71,7 +72,7 @@ def load_gguf_in_place(path: str | Path, progress: bool = False) -> LoadedWeight
             for name, part in zip(names, parts, strict=True)
         ]
         try:
-            return BlockProjection(parts, maps, bias=bias)
+            return BlockProjection(parts, maps, bias=bias, activation_bits=activation_bits)
         except ValueError as error:
             raise LoadError(f"{path}: {error}") from None
 
@@ -82,10 +83,10 @@ def load_gguf_in_place(path: str | Path, progress: bool = False) -> LoadedWeight
                 bias = child == "qkv_proj" and config.qkv_bias
                 setattr(getattr(layer, parent), child, projection(full, bias))
         embedding = tensor("model.embed_tokens.weight")
-        model.embed_tokens = BlockEmbedding(embedding)  # type: ignore[assignment]
+        model.embed_tokens = BlockEmbedding(embedding, activation_bits)  # type: ignore[assignment]
         model.vocab_columns = None
         if config.tie_embeddings:
-            model.lm_head = BlockProjection([embedding], [None])  # type: ignore[assignment]
+            model.lm_head = BlockProjection([embedding], [None], activation_bits=activation_bits)  # type: ignore[assignment]
         else:
             model.lm_head = projection(("lm_head",), False)  # type: ignore[assignment]
 

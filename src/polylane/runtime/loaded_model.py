@@ -16,7 +16,13 @@ from polylane.runtime.converted import converted_path, load_converted, save_conv
 from polylane.runtime.device import model_device, place_model, resolve_device
 from polylane.runtime.digests import model_digest
 from polylane.runtime.gguf_in_place import load_gguf_in_place
-from polylane.runtime.loader import AUTO, LoadedWeights, load_weights, parse_dtype, stored_16_bit
+from polylane.runtime.loader import (
+    IN_PLACE_ACTIVATION_BITS,
+    LoadedWeights,
+    load_weights,
+    parse_dtype,
+    stored_16_bit,
+)
 from polylane.runtime.model_config import ModelConfig
 from polylane.runtime.models.base import DecoderModel
 from polylane.runtime.native.stack import NativeStack
@@ -74,7 +80,9 @@ def load_model(
     model on `device` ("auto": CUDA when torch sees a GPU, else CPU; see `runtime.device`).
 
     dtype "auto" (the default of `serve`): a GGUF file computes from its own quantised blocks in
-    place (`runtime.gguf_in_place`) on the CPU, nothing converted; elsewhere see `auto_dtype`.
+    place (`runtime.gguf_in_place`) on the CPU, nothing converted, activations rounded to 8 bits per
+    block of 32 for integer dot products ("auto-fp32": float32 activations); elsewhere see
+    `auto_dtype`.
     Otherwise a GGUF file is dequantised once per dtype; with `convert_cache` the result is kept as
     safetensors (`runtime.converted`) and later loads read that instead. dtype "int4" or "int8"
     gives the quantised twin (`runtime.quantize`): the float32 model with weight-only quantised
@@ -83,16 +91,17 @@ def load_model(
     target = resolve_device(device)  # a missing device fails before anything is read
     source = catalog.resolve(name_or_path, quiet=quiet)
     started = time.perf_counter()
-    in_place = dtype == AUTO and source.format == "gguf" and target.type == "cpu"
+    activation_bits = IN_PLACE_ACTIVATION_BITS.get(dtype) if isinstance(dtype, str) else None
+    in_place = activation_bits is not None and source.format == "gguf" and target.type == "cpu"
     if in_place and (problem := block_kernels_problem()) is not None:
-        log.warning("%s: %s; dtype auto dequantises it to fp32 instead", source.name, problem)
+        log.warning("%s: %s; dtype %s dequantises it to fp32 instead", source.name, problem, dtype)
         in_place = False
-    if dtype == AUTO and not in_place:
+    if activation_bits is not None and not in_place:
         dtype = auto_dtype(source, target)
     quantised = dtype if isinstance(dtype, str) and dtype in QUANTISED_FORMATS else None
     run_dtype = torch.float32 if quantised or in_place else parse_dtype(dtype)
     if in_place:
-        weights = load_gguf_in_place(source.path, progress=not quiet)
+        weights = load_gguf_in_place(source.path, progress=not quiet, activation_bits=activation_bits)
     else:
         weights = _load_weights(source, run_dtype, quiet, convert_cache)
     weight_bytes = weights.weight_bytes
@@ -107,7 +116,8 @@ def load_model(
     weights.model.native_stack = NativeStack.build(weights.model)
     native_quantised = weights.model.native_stack is not None and quantised is not None
     if in_place:
-        kernels = f"the {block_isa_name()} block kernels"
+        arithmetic = "8-bit activations" if activation_bits == 8 else "float32 activations"
+        kernels = f"the {block_isa_name()} block kernels ({arithmetic})"
         between = "the native stack" if weights.model.native_stack is not None else "torch"
         path = f"{formats_summary(weights.model)} read in place by {kernels}, {between} between"
     elif weights.model.native_stack is not None:

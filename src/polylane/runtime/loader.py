@@ -40,9 +40,11 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
 }
 
-# The dtype that means "the file's own": a GGUF file's quantised blocks used in place
-# (`runtime.gguf_in_place`), a Hugging Face folder's stored dtype.
-AUTO = "auto"
+# The dtypes that mean "the file's own": a GGUF file's quantised blocks used in place
+# (`runtime.gguf_in_place`), with activations rounded to 8 bits ("auto") or float32 ("auto-fp32");
+# a Hugging Face folder's stored dtype.
+AUTO, AUTO_FP32 = "auto", "auto-fp32"
+IN_PLACE_ACTIVATION_BITS = {AUTO: 8, AUTO_FP32: 32}
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -240,13 +242,13 @@ def stored_16_bit(path: str | Path) -> bool:
 
 def estimate_weight_bytes(path: str | Path, format: str, dtype: str | torch.dtype = "fp32") -> int:
     """Bytes the weights will take at `dtype`, from the file's header alone (no tensor is read).
-    At "auto" a GGUF file costs its own tensors' bytes (they are used in place).
+    At "auto" (or "auto-fp32") a GGUF file costs its own tensors' bytes (they are used in place).
 
     Also the cheap validity check before anything is evicted for this model: a missing, truncated
     or corrupt file raises LoadError here.
     """
     path = Path(path)
-    if dtype == AUTO:
+    if dtype in IN_PLACE_ACTIVATION_BITS:
         if format == "gguf":
             return sum(info.num_bytes for info in open_gguf(path).tensors.values())
         dtype = "bf16" if format == "hf" and stored_16_bit(path) else "fp32"

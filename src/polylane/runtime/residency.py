@@ -44,7 +44,7 @@ from polylane.policy.residency import (
 from polylane.runtime.device import resolve_device
 from polylane.runtime.load_thread import run_in_transient_thread
 from polylane.runtime.loaded_model import LoadedModel, load_model
-from polylane.runtime.loader import AUTO, LoadError, estimate_weight_bytes, parse_dtype
+from polylane.runtime.loader import IN_PLACE_ACTIVATION_BITS, LoadError, estimate_weight_bytes, parse_dtype
 from polylane.runtime.model_kv import ModelKV
 from polylane.runtime.quantize import QUANTISED_FORMATS
 from polylane.types import DEFAULT_DTYPE
@@ -162,7 +162,7 @@ class ResidencyManager:
     ) -> None:
         """Declare a model (cold). Its size is estimated from the file header when the file is
         already on disk (nothing is fetched here), else when it is first loaded."""
-        if dtype not in (*QUANTISED_FORMATS, AUTO):
+        if dtype not in (*QUANTISED_FORMATS, *IN_PLACE_ACTIVATION_BITS):
             parse_dtype(dtype)
         if kv_tokens < self.block_size:
             raise ResidencyError(f"model {name!r}: kv_tokens must be >= {self.block_size}, got {kv_tokens}")
