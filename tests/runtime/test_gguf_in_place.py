@@ -2,8 +2,11 @@
 
 For each model, the logits at every position of a prompt of 200+ tokens agree with an fp32 forward
 of the same file's weights dequantised by the `gguf` package (our fp32 load): top-1 agreement and
-mean-abs difference are printed and recorded. The model costs its file's tensor bytes (nothing
-converted, nothing cached on disk), and a verify pass gives the decode steps' tokens and logits.
+mean-abs difference are printed and recorded, for dtype auto (8-bit activations: within the
+tolerance below, which llama.cpp's own logits on the same file do not meet — bench/file_fidelity.py)
+and auto-fp32 (float32 activations: float32 noise). The model costs its file's tensor bytes
+(nothing converted, nothing cached on disk), and a verify pass gives the decode steps' tokens and
+logits.
 """
 
 from __future__ import annotations
@@ -36,21 +39,31 @@ def _all_logits(model, ids: tuple[int, ...]) -> torch.Tensor:
     return torch.stack(list(logits)) if isinstance(logits, list) else logits
 
 
+# dtype → (least top-1 agreement, largest mean-abs difference) against the fp32 forward
+CLOSENESS = {"auto": (0.98, 0.16), "auto-fp32": (0.99, 1e-4)}
+_REFERENCE: dict[str, torch.Tensor] = {}
+
+
+@pytest.mark.parametrize("dtype", list(CLOSENESS))
 @pytest.mark.parametrize("name", MODELS)
-def test_logits_stay_close_to_the_dequantised_file(load_real_model, name, record_property):
+def test_logits_stay_close_to_the_dequantised_file(load_real_model, name, dtype, record_property):
     fetch_or_skip(name)
-    ours = load_real_model(name, "auto")
-    reference = load_real_model(name, "fp32")
+    ours = load_real_model(name, dtype)
     ids = tuple(ours.tokenizer.encode(TEXT))[:POSITIONS]
     assert len(ids) >= 200
-    got, expected = _all_logits(ours, ids), _all_logits(reference, ids)
+    if name not in _REFERENCE:
+        _REFERENCE[name] = _all_logits(load_real_model(name, "fp32"), ids)
+    got, expected = _all_logits(ours, ids), _REFERENCE[name]
     top1 = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
     mean_abs = (got - expected).abs().mean().item()
     record_property("top1_agreement", top1)
     record_property("mean_abs", mean_abs)
-    where = f"{name} auto ({ours.compute_path}) vs fp32 over {len(ids)} positions"
+    where = f"{name} {dtype} ({ours.compute_path}) vs fp32 over {len(ids)} positions"
     print(f"{where}: top-1 {top1:.4f}, mean-abs {mean_abs:.2e}")
-    assert top1 >= 0.99 and mean_abs < 1e-4, (top1, mean_abs)
+    least_top1, most_mean_abs = CLOSENESS[dtype]
+    assert top1 >= least_top1 and mean_abs < most_mean_abs, (
+        f"{where}: top-1 {top1:.4f}, mean-abs {mean_abs:.2e}"
+    )
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
@@ -68,12 +81,13 @@ def test_the_model_costs_its_files_bytes_and_nothing_is_converted(
     assert not list(tmp_path.rglob("*.safetensors"))
 
 
+@pytest.mark.parametrize("dtype", list(CLOSENESS))
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
-def test_a_verify_pass_equals_the_decode_steps(load_real_model, name):
+def test_a_verify_pass_equals_the_decode_steps(load_real_model, name, dtype):
     """Same greedy tokens, logits within float32 noise: the block products are the same bits
     whatever the batch (test_block_weights.py); torch's attention between them is not bit-exact
     across batch shapes, as on the fp32 path (test_verify.py)."""
-    model = load_real_model(name, "auto")
+    model = load_real_model(name, dtype)
     prompt = tuple(model.tokenizer.encode(TEXT))[:40]
     kv = ModelKV(model, num_blocks=16, block_size=8, prefix_cache=False)
     sequence = kv.open(prompt)
