@@ -8,7 +8,7 @@ m = −offset·d), and their products are exact integer sums per group, scaled i
 
     x·w = Σ_g dx_g · (d_g · Σ_i u_i·q_i  +  m_g · Σ_i q_i)
 
-The integer sums are exact on every instruction set (AVX-512 VNNI `vpdpbusd`, AVX2 `vpmaddwd`,
+The integer sums are exact on every instruction set (AVX-512 VNNI `vpdpbusd`, AVX2 `vpmaddubsw`,
 portable C); only the float scaling's order differs between them.
 
 Batch independence holds as in blocks.c: an activation row is quantised alone, and each output is
@@ -27,8 +27,8 @@ path of blocks.c.
 
 #define GROUP 16  /* weights per (d, m) pair */
 #define MAX_CHUNK 2560 /* columns of a tile's rows coded at a time, at most (their codes stay in L1) */
-#if defined(Q8_VNNI)
-#define D_PER_GROUP 4 /* a coded row's d is expanded to one float per vpdpbusd lane */
+#if defined(Q8_VNNI) || defined(Q8_AVX2)
+#define D_PER_GROUP 4 /* a coded row's d is expanded to one float per lane of 4 codes' sum */
 #else
 #define D_PER_GROUP 1
 #endif
@@ -40,19 +40,15 @@ typedef struct {
     float *m;
 } CodedRow;
 
-/* For VNNI: d[k/16] rewritten in place as one float per lane (4 per group, k/4 floats; the row's
-   d buffer has room for them). Elsewhere nothing. */
+/* With lanes (D_PER_GROUP 4): d[k/16] rewritten in place as one float per lane (4 per group, k/4
+   floats; the row's d buffer has room for them), from the end so that no group is overwritten
+   before it is read. Elsewhere nothing. (Only the formats without SIMD coding come here.) */
 static inline void expand_lanes(float *d, int64_t groups) {
-#if defined(Q8_VNNI)
-    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    int64_t g = groups & ~(int64_t)3;
-    for (int64_t tail = groups - 1; tail >= g; tail--) /* a last 1–3 groups */
-        for (int j = 3; j >= 0; j--) d[4 * tail + j] = d[tail];
-    for (g -= 4; g >= 0; g -= 4) /* from the end, so no group is overwritten before it is read */
-        _mm512_storeu_ps(d + 4 * g, _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(d + g))));
-#else
-    (void)d, (void)groups;
-#endif
+    if (D_PER_GROUP == 1) return;
+    for (int64_t g = groups - 1; g >= 0; g--) {
+        const float value = d[g];
+        for (int j = D_PER_GROUP - 1; j >= 0; j--) d[D_PER_GROUP * g + j] = value;
+    }
 }
 
 static int has_codes(int64_t type) {
@@ -82,9 +78,9 @@ static inline void nibbles_simd(const uint8_t *restrict qs, uint8_t *restrict u)
     _mm_storeu_si128((__m128i *)(u + 16), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
 }
 
-/* A 32-block's d for its two groups (one float per group, or per lane with VNNI) and m. */
+/* A 32-block's d for its two groups (one float per group, or per lane) and m. */
 static inline void set_block_scales(float *d, float *m, float scale, float offset) {
-#if defined(Q8_VNNI)
+#if D_PER_GROUP == 4
     _mm256_storeu_ps(d, _mm256_set1_ps(scale));
 #else
     d[0] = d[1] = scale;
@@ -92,12 +88,15 @@ static inline void set_block_scales(float *d, float *m, float scale, float offse
     m[0] = m[1] = offset;
 }
 
-/* Eight groups' d (one float each, or four per group with VNNI). */
+/* Eight groups' d (one float each, or four per group with lanes). */
 static inline void store_scales8(float *d, __m256 scales) {
 #if defined(Q8_VNNI)
     const __m512 wide = _mm512_castps256_ps512(scales);
     _mm512_storeu_ps(d, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), wide));
     _mm512_storeu_ps(d + 16, _mm512_permutexvar_ps(_mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7), wide));
+#elif D_PER_GROUP == 4
+    for (int i = 0; i < 4; i++)
+        _mm256_storeu_ps(d + 8 * i, _mm256_permutevar8x32_ps(scales, _mm256_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1)));
 #else
     _mm256_storeu_ps(d, scales);
 #endif
@@ -122,6 +121,8 @@ static inline void k4_group_scales(const uint8_t *block, float *d, float *m) {
     const __m512 wide = _mm512_castps256_ps512(scales); /* sub-block j (two groups) → lanes 8j..8j+7 */
     for (int i = 0; i < 4; i++)
         _mm512_storeu_ps(d + 16 * i, _mm512_permutexvar_ps(_mm512_set_epi32(2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i), wide));
+#elif D_PER_GROUP == 4
+    for (int j = 0; j < 8; j++) _mm256_storeu_ps(d + 8 * j, _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(j)));
 #else
     _mm256_storeu_ps(d, _mm256_permutevar8x32_ps(scales, first));
     _mm256_storeu_ps(d + 8, _mm256_permutevar8x32_ps(scales, second));
@@ -163,9 +164,14 @@ static int simd_code_row(int64_t type, const uint8_t *restrict row, int64_t k, C
     case GGML_Q8_0:
         for (int64_t b = 0; b < k / 32; b++, row += 34, u += 32, d += 2 * D_PER_GROUP, m += 2) {
             const float scale = half_at(row);
-            _mm256_storeu_si256((__m256i *)u, _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row + 2)),
-                                                               _mm256_set1_epi8((char)0x80)));
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(row + 2));
+#if defined(Q8_AVX2) /* the int8 values as they are (vpmaddubsw would saturate on int8 + 128) */
+            _mm256_storeu_si256((__m256i *)u, bytes);
+            set_block_scales(d, m, scale, 0.0f);
+#else
+            _mm256_storeu_si256((__m256i *)u, _mm256_xor_si256(bytes, _mm256_set1_epi8((char)0x80)));
             set_block_scales(d, m, scale, -128.0f * scale);
+#endif
         }
         return 1;
     case GGML_Q4_K:
@@ -310,26 +316,24 @@ static void scalar_code_row(int64_t type, const uint8_t *restrict row, int64_t k
 
 /* ---------------------------------------------------------------- activations */
 
-/* An activation row rounded to 8 bits: q[k] (int8, and int16 for AVX2), per group of 16 its scale,
+/* An activation row rounded to 8 bits: q[k] (int8), per group of 16 its scale,
    and the float scale·Σq (the offset term's factor). */
 typedef struct {
     int8_t *q;
-    int16_t *q16;
     float *scale;      /* k/16 */
     float *lane_scale; /* k/4: each group's scale once per 4 codes (VNNI lanes) */
     float *group_sum;  /* k/16: the group's scale × Σ q over the group */
 } CodedActivations;
 
 static size_t activation_bytes(int64_t k) {
-    return (size_t)k * 3 + (size_t)(k / 16 + k / 4 + k / 16) * 4 + 64 * 5;
+    return (size_t)k + (size_t)(k / 16 + k / 4 + k / 16) * 4 + 64 * 4;
 }
 
 static CodedActivations activation_layout(uint8_t *base, int64_t k) {
     CodedActivations a;
     const size_t k_up = ((size_t)k + 63) & ~(size_t)63;
     a.q = (int8_t *)base;
-    a.q16 = (int16_t *)(base + k_up);
-    a.scale = (float *)(base + 3 * k_up);
+    a.scale = (float *)(base + k_up);
     a.lane_scale = a.scale + ((k / 16 + 15) & ~15);
     a.group_sum = a.lane_scale + ((k / 4 + 15) & ~15);
     return a;
@@ -349,7 +353,6 @@ __attribute__((noinline)) static void code_activations(const float *restrict x, 
         for (int j = 0; j < GROUP; j++) {
             const int q = (int)nearbyintf(x[GROUP * g + j] * inverse);
             a.q[GROUP * g + j] = (int8_t)q;
-            a.q16[GROUP * g + j] = (int16_t)q;
             sum += q;
         }
         a.group_sum[g] = scale * (float)sum;
@@ -397,8 +400,9 @@ typedef struct {
    chunk (codes `chunk` bytes apart, lane or group scales `chunk / 16 · D_PER_GROUP` floats apart).
    Every row's lanes see the same operations whatever the other rows hold or the batch is. */
 static void coded_tile_step(const CodedActivations *x, int64_t c0, int64_t len, int64_t chunk, const uint8_t *u,
-                            const float *d, TileSums *sums) {
+                            const float *d, const int64_t *types, TileSums *sums) {
     const int64_t d_ld = chunk / GROUP * D_PER_GROUP;
+    (void)types; /* used by AVX2 only */
 #if defined(Q8_VNNI)
     /* 64 codes a step: vpdpbusd leaves 16 lanes, lane j the sum of codes 4j..4j+3 (lanes 4g..4g+3 are
        group g's), scaled by the group's d (one float per lane) times the block's activation scale. */
@@ -426,19 +430,25 @@ static void coded_tile_step(const CodedActivations *x, int64_t c0, int64_t len, 
     _mm512_storeu_ps(sums->lanes[2], acc2);
     _mm512_storeu_ps(sums->lanes[3], acc3);
 #elif defined(Q8_AVX2)
-    /* 16 codes a step (one group): vpmaddwd of int16 codes leaves 8 lanes, scaled by d_g × dx. */
-    __m256 acc[TILE_ROWS];
-    for (int r = 0; r < TILE_ROWS; r++) acc[r] = _mm256_loadu_ps(sums->lanes[r]);
-    for (int64_t g = 0; g < len / GROUP; g++) {
-        const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q16 + c0 + GROUP * g));
-        const float dx = x->scale[(c0 + GROUP * g) / GROUP];
-        for (int r = 0; r < TILE_ROWS; r++) {
-            const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(u + r * chunk + GROUP * g)));
-            const __m256 products = _mm256_cvtepi32_ps(_mm256_madd_epi16(w, xq));
-            acc[r] = _mm256_fmadd_ps(products, _mm256_set1_ps(d[r * d_ld + g] * dx), acc[r]);
+    /* 32 codes a step: vpmaddubsw (unsigned codes × int8 activations, pairs summed in int16: at most
+       2·63·127 for 6-bit codes, no saturation) then vpmaddwd by ones leaves 8 lanes, lane j the sum
+       of codes 4j..4j+3, scaled as on VNNI. Q8_0 rows hold signed int8 values (see simd_code_row):
+       |w| times x with w's sign (vpsignb), at most 2·128·127. */
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < TILE_ROWS; r++) {
+        const int signed_codes = types[r] == GGML_Q8_0;
+        __m256 acc = _mm256_loadu_ps(sums->lanes[r]);
+        for (int64_t i = 0; i < len; i += 32) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(u + r * chunk + i));
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + c0 + i));
+            const __m256i pairs = signed_codes ? _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xq, w))
+                                               : _mm256_maddubs_epi16(w, xq);
+            const __m256 lanes = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+            const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(d + r * d_ld + i / 4), _mm256_loadu_ps(x->lane_scale + (c0 + i) / 4));
+            acc = _mm256_fmadd_ps(lanes, scale, acc);
         }
+        _mm256_storeu_ps(sums->lanes[r], acc);
     }
-    for (int r = 0; r < TILE_ROWS; r++) _mm256_storeu_ps(sums->lanes[r], acc[r]);
 #else
     for (int r = 0; r < TILE_ROWS; r++) {
         float acc = sums->lanes[r][0];
@@ -532,7 +542,7 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
                     }
                     for (int64_t row = m0; row < m1; row++) {
                         const CodedActivations a = activation_layout(activations + (size_t)(row - m0) * x_bytes, k);
-                        coded_tile_step(&a, c0, len, chunk, codes, d, &sums[row - m0]);
+                        coded_tile_step(&a, c0, len, chunk, codes, d, types, &sums[row - m0]);
                     }
                 }
                 for (int64_t row = m0; row < m1; row++) {
