@@ -6,9 +6,10 @@ activations with such rows, for any number of activation rows, over OpenMP threa
 converted ahead of time and nothing is copied: a weight is a list of segments (a tensor's rows,
 each segment in its own format, optionally through a row map), pointing into the mapping.
 
-Activations stay float32 (llama.cpp rounds them to 8 bits for its integer dot products; here the
-weights are dequantised per block and multiplied in float32, so the result is the fp32 product of
-the file's own weights up to summation order).
+Two kinds of product, chosen per matrix (BlockMatrix.activation_bits): float32 activations times
+the weights dequantised per block, the fp32 product of the file's own weights up to summation order
+(this file); or activations rounded to 8 bits per group of 16 times the blocks' integer codes, by
+integer dot products as llama.cpp does (blocks_q8.c, dtype auto's default).
 
 Batch independence: every output y[m][n] is the same sequence of float operations whatever the
 number of rows, the row's place in the batch, the thread count or the tile it falls in: rows of W

@@ -33,7 +33,7 @@ path of blocks.c.
 #define D_PER_GROUP 1
 #endif
 
-/* One weight row as codes: u[k], d[k/16], m[k/16]. */
+/* One weight row (or a chunk of one) as codes: u[k], d[k/16 · D_PER_GROUP], m[k/16]. */
 typedef struct {
     uint8_t *u;
     float *d;
@@ -215,7 +215,7 @@ static int simd_code_row(int64_t type, const uint8_t *restrict row, int64_t k, C
 static void scalar_code_row(int64_t type, const uint8_t *restrict row, int64_t k, CodedRow out);
 
 /* A row of k elements of a quantised `type` as codes, scales and offsets (see the file comment). */
-__attribute__((noinline)) static void code_row(int64_t type, const uint8_t *restrict row, int64_t k, CodedRow out) {
+static void code_row(int64_t type, const uint8_t *restrict row, int64_t k, CodedRow out) {
 #if !defined(POLYLANE_PORTABLE) && defined(__AVX2__)
     if (simd_code_row(type, row, k, out)) return;
 #endif
@@ -342,7 +342,7 @@ static CodedActivations activation_layout(uint8_t *base, int64_t k) {
 /* Rounds x[k] to 8 bits per group of 16 (the weights' group): scale = max|x| / 127,
    q = round(x · 127 / max|x|). Groups of 16 rather than llama.cpp's 32 or 256 halve the reach of an
    outlier, at no cost in the dot products (the weights have a scale per 16 anyway). */
-__attribute__((noinline)) static void code_activations(const float *restrict x, int64_t k, CodedActivations a) {
+static void code_activations(const float *restrict x, int64_t k, CodedActivations a) {
     for (int64_t g = 0; g < k / GROUP; g++) {
         float amax = 0.0f;
         for (int j = 0; j < GROUP; j++) amax = fmaxf(amax, fabsf(x[GROUP * g + j]));
