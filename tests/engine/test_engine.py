@@ -46,10 +46,11 @@ def _size(name: str) -> int:
     return estimate_weight_bytes(source.path, source.format, DTYPE) + KV_ALLOWANCE
 
 
-def _alone(load_real_model, name: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Each prompt run alone (batch of one, no prefix cache) on the model the engine serves: its own
-    load of the same file at the same dtype (the session's, shared with later modules)."""
-    model = load_real_model(name, DTYPE)
+def _alone(engine: Engine, name: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt run alone (batch of one, no prefix cache) on the model the engine serves."""
+    from polylane.runtime.loaded_model import load_model
+
+    model = load_model(name, DTYPE, quiet=True)
     generator = Generator(model, num_blocks=64, block_size=16)
     outputs = []
     for prompt in prompts:
@@ -75,7 +76,7 @@ def _assert_blocks_returned(engine: Engine) -> None:
         )
 
 
-def test_twelve_requests_over_three_models_under_a_two_model_budget(record_property, load_real_model):
+def test_twelve_requests_over_three_models_under_a_two_model_budget(record_property):
     sizes = {name: _size(name) for name in (SMOL, GEMMA, QWEN)}
     budget = sizes[GEMMA] + sizes[QWEN] + 4 * 2**20  # any two fit, never all three
     assert budget < sum(sizes.values())
@@ -100,7 +101,7 @@ def test_twelve_requests_over_three_models_under_a_two_model_budget(record_prope
         for index, name in enumerate(names):
             by_model.setdefault(name, []).append(index)
         for name, indexes in by_model.items():
-            alone = _alone(load_real_model, name, [handles[i].prompt_ids for i in indexes], max_tokens)
+            alone = _alone(engine, name, [handles[i].prompt_ids for i in indexes], max_tokens)
             for i, expected in zip(indexes, alone, strict=True):
                 assert results[i].finish_reason in ("stop", "length"), results[i]
                 assert results[i].token_ids == expected, f"{name}: {PROMPTS[i]!r} differs from running alone"
@@ -152,7 +153,7 @@ def test_aborting_half_mid_stream_frees_their_blocks_and_the_rest_finish():
         assert engine.stats().max_concurrent_decode == 1
 
 
-def test_preemption_when_kv_runs_out_loses_nothing(load_real_model):
+def test_preemption_when_kv_runs_out_loses_nothing():
     config = EngineConfig(
         budget_bytes=4 * 2**30, scheduler=SchedulerConfig(max_step_tokens=64), threads=torch.get_num_threads()
     )
@@ -163,7 +164,7 @@ def test_preemption_when_kv_runs_out_loses_nothing(load_real_model):
         results = [h.result(timeout=300) for h in handles]
         stats = engine.stats()
         _assert_blocks_returned(engine)
-        alone = _alone(load_real_model, SMOL, [h.prompt_ids for h in handles], 40)
+        alone = _alone(engine, SMOL, [h.prompt_ids for h in handles], 40)
     assert stats.preemptions >= 1, "four 45-token requests cannot all fit 96 tokens of KV"
     for result, expected in zip(results, alone, strict=True):
         assert result.token_ids == expected
