@@ -11,6 +11,14 @@ from polylane import catalog
 
 RUN_SLOW = os.environ.get("POLYLANE_SLOW") == "1"
 
+# The suite converts its real models at fp32 and bf16 (Qwen2.5-Coder-1.5B at fp32 alone is 7.1 GB):
+# about 13.5 GB of converted weights, past the converted cache's default 8 GiB cap. Under that cap
+# every run evicted and re-dequantised the same models (up to 80 s for the 1.5B, 5-20 s for the
+# others), so the suite raises the cap for itself unless $POLYLANE_CONVERTED_CAP says otherwise.
+# (Worker processes, bench systems and Ray replicas inherit it.)
+SUITE_CONVERTED_CAP = 16 << 30
+os.environ.setdefault("POLYLANE_CONVERTED_CAP", str(SUITE_CONVERTED_CAP))
+
 
 _DESELECTED_SLOW: list[str] = []
 

@@ -3,18 +3,33 @@
 For each real model and several prompts: last-position logits agree (max-abs difference and
 top-1 / top-5 agreement in the message) and 32 greedy tokens are identical. transformers is the
 reference: it dequantises the same file to float32 and runs its own implementation.
+
+Loading the file into transformers takes up to a minute per model (its GGUF reader parses every
+metadata field in Python and dequantises every tensor), so transformers' outputs are kept on disk
+under `<cache dir>/transformers-reference/`, keyed by the file's content hash, the transformers,
+torch and gguf versions, the prompt token ids, GREEDY_TOKENS and the source of the reference
+procedure: transformers runs once per machine, file and version, and the reference stays its own
+output. POLYLANE_PARITY_FRESH=1 ignores (and rewrites) the saved reference.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import gc
+import hashlib
 import inspect
+import json
+import os
 from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 import torch
 
+from polylane import catalog
+from polylane.runtime.file_identity import content_digest, write_atomically
 from polylane.runtime.generate import GenerationRequest, Generator
 from polylane.types import SamplingParams
 from tests.conftest import fetch_or_skip, unload_real_model
@@ -83,27 +98,86 @@ def _hf_greedy(model, prompt_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
 @pytest.fixture(scope="module", params=MODELS)
 def model_pair(request, load_real_model):
     """(our LoadedModel, transformers reference outputs) for one real model."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
     name = request.param
     source = fetch_or_skip(name)
     ours = load_real_model(name)
+    prompt_ids = _prompt_ids(ours.tokenizer, name)
+    yield ours, _reference(source.path, prompt_ids)
+    unload_real_model(name)
+    gc.collect()
+
+
+def _reference(path: Path, prompt_ids: dict[str, list[int]]) -> Reference:
+    """transformers' outputs for these prompts of this file: read from the reference cache, else
+    computed by transformers and saved there."""
+    saved = _reference_path(path, prompt_ids)
+    if os.environ.get("POLYLANE_PARITY_FRESH") != "1":
+        try:
+            return _reference_from_json(json.loads(saved.read_text()), prompt_ids)
+        except (OSError, KeyError, TypeError, ValueError):
+            pass  # never computed here, or unreadable: compute it again
+    reference = _transformers_reference(path, prompt_ids)
+    write_atomically(saved, json.dumps(_reference_to_json(reference)), "a transformers reference")
+    return reference
+
+
+def _reference_path(path: Path, prompt_ids: dict[str, list[int]]) -> Path:
+    import transformers
+
+    key = {
+        "file_sha256": content_digest(path),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "gguf": version("gguf"),
+        "prompt_ids": prompt_ids,
+        "greedy_tokens": GREEDY_TOKENS,
+        "procedure": inspect.getsource(_transformers_reference) + inspect.getsource(_hf_greedy),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return catalog.cache_dir() / "transformers-reference" / f"{path.stem}-{digest[:32]}.json"
+
+
+def _reference_to_json(reference: Reference) -> dict:
+    return {
+        "prompt_ids": reference.prompt_ids,
+        "greedy": reference.greedy,
+        "last_logits": {
+            key: base64.b64encode(logits.contiguous().numpy().tobytes()).decode()
+            for key, logits in reference.last_logits.items()
+        },
+    }
+
+
+def _reference_from_json(saved: dict, prompt_ids: dict[str, list[int]]) -> Reference:
+    if saved["prompt_ids"] != prompt_ids or set(saved["greedy"]) != set(prompt_ids):
+        raise ValueError("the saved reference is for other prompts")
+    last_logits = {
+        key: torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.float32)
+        for key, text in saved["last_logits"].items()
+    }
+    greedy = {key: [int(token) for token in tokens] for key, tokens in saved["greedy"].items()}
+    if set(last_logits) != set(prompt_ids) or any(len(t) != GREEDY_TOKENS for t in greedy.values()):
+        raise ValueError("the saved reference is incomplete")
+    return Reference(prompt_ids, last_logits, greedy)
+
+
+def _transformers_reference(path: Path, prompt_ids: dict[str, list[int]]) -> Reference:
+    """Load the GGUF file into transformers at float32 and run every prompt through it."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     with _one_gguf_reader_per_file():
         hf = AutoModelForCausalLM.from_pretrained(
-            source.path.parent, gguf_file=source.path.name, dtype=torch.float32
+            path.parent, gguf_file=path.name, dtype=torch.float32
         ).eval()
-    prompt_ids = _prompt_ids(ours.tokenizer, name)
     last_logits, greedy = {}, {}
     for key, ids in prompt_ids.items():
         last_logits[key], greedy[key] = _hf_greedy(hf, ids)
     del hf
     gc.collect()
-    yield ours, Reference(prompt_ids, last_logits, greedy)
-    unload_real_model(name)
-    gc.collect()
+    return Reference(prompt_ids, last_logits, greedy)
 
 
 @contextlib.contextmanager

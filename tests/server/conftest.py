@@ -1,6 +1,6 @@
 """A live polylane server on 127.0.0.1 for the server tests: start, clients, checks, stop.
 
-`start_server(...)` builds the engine from a `ServerConfig` (real models, fp32, small KV), runs
+`start_server(...)` builds the engine from a `ServerConfig` (real models, fp32 unless asked, small KV), runs
 uvicorn in a daemon thread on a free port and waits for `/health`; `LiveServer.stop()` asks uvicorn
 to exit, joins the thread and checks the app's lifespan closed the engine. The session fixture
 `shared_server` serves the three real models with default limits (the OpenAI client, bad-input,
@@ -87,12 +87,13 @@ def start_server(
     budget_bytes: int = BUDGET,
     kv_tokens: int = KV_TOKENS,
     pinned: tuple[str, ...] = (),
+    dtype: str = "fp32",
 ) -> LiveServer:
     for name in models:
         fetch_or_skip(name)
     config = ServerConfig(
         models=tuple(
-            ModelDecl(name, name, dtype="fp32", pinned=name in pinned, kv_tokens=kv_tokens) for name in models
+            ModelDecl(name, name, dtype=dtype, pinned=name in pinned, kv_tokens=kv_tokens) for name in models
         ),
         budget_bytes=budget_bytes,
         api_key=api_key,

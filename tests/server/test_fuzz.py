@@ -134,7 +134,9 @@ chat_bodies = bodies(
 @pytest.fixture(scope="module")
 def live():
     limits = Limits(max_tokens_default=3, request_timeout_s=2.0, max_body_bytes=64 * 1024)
-    server = start_server(MODELS, limits=limits, kv_tokens=512)
+    # no output is compared here: the models load in place (dtype auto, `serve`'s default), about
+    # 1 s each, where fp32 read or dequantised them (the admin fuzz evicts them; they load again)
+    server = start_server(MODELS, limits=limits, kv_tokens=512, dtype="auto")
     try:
         yield server
     finally:

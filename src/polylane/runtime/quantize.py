@@ -54,6 +54,32 @@ INT8_GEMM_MIN_ROWS = 32
 DEQUANTIZE_BLOCK_ELEMENTS = 1 << 22
 
 
+# Codes are computed a slice of output rows at a time, each slice's float32 transient under this
+# many elements: the same elementwise operations, bit for bit, without whole-matrix temporaries
+# (Gemma 3's 262k x 640 output projection: 0.3 s instead of 1.3-1.7 s).
+QUANTIZE_BLOCK_ELEMENTS = 1 << 20
+
+
+def _codes(
+    values: torch.Tensor,
+    scale: torch.Tensor,
+    low: torch.Tensor | None,
+    lowest: int,
+    highest: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """round((values − low) / scale) clamped to [lowest, highest], as `dtype`; `scale` and `low`
+    broadcast over `values` and share its first (output-row) dimension."""
+    rows = values.shape[0]
+    codes = torch.empty(values.shape, dtype=dtype)
+    step = max(1, QUANTIZE_BLOCK_ELEMENTS // max(1, values[0].numel()))
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        part = values[a:b] - low[a:b] if low is not None else values[a:b].clone()
+        codes[a:b] = part.div_(scale[a:b]).round_().clamp_(lowest, highest)
+    return codes
+
+
 class QuantizedProjection(nn.Module):
     """y = x Wᵀ + b with W stored int4 (grouped) or int8 (per row); x is cast to bf16."""
 
@@ -70,7 +96,7 @@ class QuantizedProjection(nn.Module):
         )
         if bits == 8:
             scale = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # (N,)
-            q = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+            q = _codes(weight, scale[:, None], None, -127, 127, torch.int8)
             self.register_buffer("qweight", q)
             self.register_buffer("scales", scale.to(torch.bfloat16))
             return
@@ -83,7 +109,7 @@ class QuantizedProjection(nn.Module):
         low = groups.amin(dim=-1, keepdim=True)
         high = groups.amax(dim=-1, keepdim=True)
         scale = (high - low).clamp(min=1e-8) / 15.0
-        q = ((groups - low) / scale).round().clamp(0, 15).to(torch.int32).view(out_features, in_features)
+        q = _codes(groups, scale, low, 0, 15, torch.int32).view(out_features, in_features)
         zero = low + 8 * scale
         # (K / group, N, 2): scale and zero per group and output row
         scales_and_zeros = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1).transpose(0, 1)
