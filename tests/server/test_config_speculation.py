@@ -38,5 +38,6 @@ def test_bad_speculation_is_a_config_error(value):
 def test_weight_dtypes_in_the_config():
     models = _models([{"name": "a", "dtype": "int4"}, {"name": "b", "dtype": "int8"}, {"name": "c"}])
     assert [m.dtype for m in models] == ["int4", "int8", "auto"]
-    with pytest.raises(ConfigError, match=r"models\[0\]: dtype must be one of auto, auto-fp32, fp32, bf16, int8, int4"):
+    one_of = r"models\[0\]: dtype must be one of auto, auto-fp32, fp32, bf16, int8, int4"
+    with pytest.raises(ConfigError, match=one_of):
         _models([{"name": "a", "dtype": "fp16"}])
