@@ -7,9 +7,10 @@ by rows, each in its own format, Q/K rows read through a row map instead of bein
 Nothing is converted or copied: the modules hold uint8 views of the mapping as buffers (so a
 model's byte count and its digests see the file's bytes), and the C code reads them in place.
 
-The arithmetic: weights dequantised block by block as ggml defines them, times float32
-activations, each output the same float operations whatever its batch (blocks.c), so decode,
-verify and speculation agree exactly on one machine.
+The arithmetic, per matrix (`activation_bits`): weights dequantised block by block as ggml defines
+them times float32 activations (32, blocks.c), or the blocks' integer codes times activations
+rounded to 8 bits per group of 16 (8, blocks_q8.c); either way each output is the same operations
+whatever its batch, so decode, verify and speculation agree exactly on one machine.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def load_model(
 
     dtype "auto" (the default of `serve`): a GGUF file computes from its own quantised blocks in
     place (`runtime.gguf_in_place`) on the CPU, nothing converted, activations rounded to 8 bits per
-    block of 32 for integer dot products ("auto-fp32": float32 activations); elsewhere see
+    group of 16 for integer dot products ("auto-fp32": float32 activations); elsewhere see
     `auto_dtype`.
     Otherwise a GGUF file is dequantised once per dtype; with `convert_cache` the result is kept as
     safetensors (`runtime.converted`) and later loads read that instead. dtype "int4" or "int8"
