@@ -15,6 +15,7 @@ from polylane.types import SamplingParams
 from tests.conftest import fetch_or_skip
 
 SMOL = "smollm2-135m-instruct"
+DTYPE = "auto"  # the default: the file's blocks, 8-bit activations (the reference runs the same)
 MAX_TOKENS = 16
 MESSAGES = [
     "Repeat this exactly: red, green, blue, red, green, blue, red, green.",
@@ -29,7 +30,7 @@ def _held_blocks(kv) -> int:
 
 def test_engine_speculation_is_lossless_and_reported(load_real_model):
     fetch_or_skip(SMOL)
-    model = load_real_model(SMOL)
+    model = load_real_model(SMOL, DTYPE)
     prompts = [model.tokenizer.render_chat([{"role": "user", "content": m}]) for m in MESSAGES]
     generator = Generator(model, num_blocks=64, block_size=16)
     params = SamplingParams(max_tokens=MAX_TOKENS)
@@ -38,7 +39,7 @@ def test_engine_speculation_is_lossless_and_reported(load_real_model):
     speculation = {"drafters": ["ngram", "twin"], "adaptive": False, "max_draft_tokens": 4}
     # compared exactly with plain greedy: a fixed thread count (sums split over threads differ in order)
     with Engine(EngineConfig(budget_bytes=2 * 2**30, threads=torch.get_num_threads())) as engine:
-        engine.add_model(SMOL, kv_tokens=1024, speculation=speculation)
+        engine.add_model(SMOL, dtype=DTYPE, kv_tokens=1024, speculation=speculation)
         handles = [engine.submit(SMOL, p, params=params) for p in prompts]
         opted_out = engine.submit(SMOL, prompts[0], params=SamplingParams(max_tokens=8, speculation=False))
         sampled = engine.submit(SMOL, prompts[1], params=SamplingParams(max_tokens=8, temperature=0.8))
