@@ -485,12 +485,13 @@ static int coded_matrix(const BlockMatrix *w) {
     return 1;
 }
 
-/* y (rows, out_features) = x·Wᵀ + bias with x rounded to 8 bits per block (blocks.c's matmul when
+/* y (rows, out_features) = x·Wᵀ + bias with x rounded to 8 bits per group (blocks.c's matmul when
    the matrix asks for 8-bit activations). 0, or 1 when scratch memory ran out.
 
-   Per thread, a tile of TILE_ROWS weight rows is coded `chunk` columns at a time (whole rows up to MAX_CHUNK) into a buffer that
-   stays in L1, and every activation row of the block takes that chunk before the next is coded;
-   each (activation row, weight row) pair keeps its running lanes in a TileSums between chunks. */
+   Per thread, a tile of TILE_ROWS weight rows is coded `chunk` columns at a time (whole rows up to
+   MAX_CHUNK) into a buffer that stays in L1, and every activation row of the block takes that chunk
+   before the next is coded; each (activation row, weight row) pair keeps its running lanes in a
+   TileSums between chunks. */
 static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, float *y, int threads) {
     const int64_t k = w->in_features, n_total = w->out_features, groups = k / GROUP;
     const int64_t tiles = (n_total + TILE_ROWS - 1) / TILE_ROWS;
