@@ -95,8 +95,10 @@ static inline void store_scales8(float *d, __m256 scales) {
     _mm512_storeu_ps(d, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), wide));
     _mm512_storeu_ps(d + 16, _mm512_permutexvar_ps(_mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7), wide));
 #elif D_PER_GROUP == 4
-    for (int i = 0; i < 4; i++)
-        _mm256_storeu_ps(d + 8 * i, _mm256_permutevar8x32_ps(scales, _mm256_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1)));
+    for (int i = 0; i < 4; i++) {
+        const __m256i pair = _mm256_blend_epi32(_mm256_set1_epi32(2 * i), _mm256_set1_epi32(2 * i + 1), 0xF0);
+        _mm256_storeu_ps(d + 8 * i, _mm256_permutevar8x32_ps(scales, pair));
+    }
 #else
     _mm256_storeu_ps(d, scales);
 #endif
@@ -119,8 +121,10 @@ static inline void k4_group_scales(const uint8_t *block, float *d, float *m) {
     const __m256i first = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), second = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
 #if defined(Q8_VNNI)
     const __m512 wide = _mm512_castps256_ps512(scales); /* sub-block j (two groups) → lanes 8j..8j+7 */
-    for (int i = 0; i < 4; i++)
-        _mm512_storeu_ps(d + 16 * i, _mm512_permutexvar_ps(_mm512_set_epi32(2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i), wide));
+    for (int i = 0; i < 4; i++) {
+        const __m512i pair = _mm512_mask_blend_epi32((__mmask16)0xFF00, _mm512_set1_epi32(2 * i), _mm512_set1_epi32(2 * i + 1));
+        _mm512_storeu_ps(d + 16 * i, _mm512_permutexvar_ps(pair, wide));
+    }
 #elif D_PER_GROUP == 4
     for (int j = 0; j < 8; j++) _mm256_storeu_ps(d + 8 * j, _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(j)));
 #else
