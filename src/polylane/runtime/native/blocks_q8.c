@@ -26,7 +26,8 @@ path of blocks.c.
 #endif
 
 #define GROUP 16  /* weights per (d, m) pair */
-#define MAX_CHUNK 2560 /* columns of a tile's rows coded at a time, at most (their codes stay in L1) */
+#define MAX_CHUNK 2560      /* columns of a tile's rows coded at a time for prompts (codes stay in L1) */
+#define WHOLE_ROWS_BELOW 16 /* fewer activation rows than this: weight rows coded whole */
 #if defined(Q8_VNNI) || defined(Q8_AVX2)
 #define D_PER_GROUP 4 /* a coded row's d is expanded to one float per lane of 4 codes' sum */
 #else
@@ -492,10 +493,9 @@ static int coded_matrix(const BlockMatrix *w) {
 /* y (rows, out_features) = x·Wᵀ + bias with x rounded to 8 bits per group (blocks.c's matmul when
    the matrix asks for 8-bit activations). 0, or 1 when scratch memory ran out.
 
-   Per thread, a tile of TILE_ROWS weight rows is coded `chunk` columns at a time (whole rows up to
-   MAX_CHUNK) into a buffer that stays in L1, and every activation row of the block takes that chunk
-   before the next is coded; each (activation row, weight row) pair keeps its running lanes in a
-   TileSums between chunks. */
+   Per thread, a tile of TILE_ROWS weight rows is coded `chunk` columns at a time into a buffer, and
+   every activation row of the block takes that chunk before the next is coded; each (activation
+   row, weight row) pair keeps its running lanes in a TileSums between chunks. */
 static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, float *y, int threads) {
     const int64_t k = w->in_features, n_total = w->out_features, groups = k / GROUP;
     const int64_t tiles = (n_total + TILE_ROWS - 1) / TILE_ROWS;
@@ -504,8 +504,12 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
     if (x_block < 16) x_block = 16;
     if (x_block > rows) x_block = rows;
     if (threads < 1) threads = 1;
-    /* whole rows where they fit, else about equal pieces of whole super-blocks */
-    const int64_t pieces = (k + MAX_CHUNK - 1) / MAX_CHUNK;
+    /* A few activation rows (decode, verify): whole weight rows, read straight through (in pieces,
+       the rows' scattered starts leave the hardware prefetcher behind: Q6_K rows of 8,960 columns
+       code at half the speed). Many (prompts): pieces of whole super-blocks that stay in L1 while
+       every activation row takes them. The pieces change no operation of any output. */
+    const int64_t max_chunk = rows < WHOLE_ROWS_BELOW ? k : MAX_CHUNK;
+    const int64_t pieces = (k + max_chunk - 1) / max_chunk;
     const int64_t chunk = ((k / pieces + 255) / 256) * 256 < k ? ((k / pieces + 255) / 256) * 256 : k;
     const int64_t d_ld = chunk / GROUP * D_PER_GROUP;
     /* per thread: codes, d and the whole rows' m for the tile, then the pairs' running sums */
