@@ -59,7 +59,7 @@ class BlockMatrix(ctypes.Structure):
 
 def check_bits(activation_bits: int) -> int:
     """`activation_bits` if the kernels have it: 32 (float32 activations, the products of the file's
-    values) or 8 (activations rounded to 8 bits per block of 32, integer dot products)."""
+    values) or 8 (activations rounded to 8 bits per group of 16, integer dot products)."""
     if activation_bits not in ACTIVATION_BITS:
         raise ValueError(f"activation bits must be one of {ACTIVATION_BITS}, got {activation_bits}")
     return activation_bits
@@ -216,16 +216,15 @@ class BlockProjection(nn.Module):
 class BlockEmbedding(nn.Module):
     """Token rows of a file tensor (vocab × hidden), dequantised to float32 when looked up."""
 
-    def __init__(self, tensor: BlockTensor, activation_bits: int = 32) -> None:
+    def __init__(self, tensor: BlockTensor) -> None:
         super().__init__()
         self.type_id = tensor.type_id
         self.format = tensor.format_name
         self.num_embeddings, self.embedding_dim = tensor.rows, tensor.columns
         self.register_buffer("blocks_0", file_bytes(tensor.data))
         self._segment = Segment(tensor.type_id, None, tensor.rows, None)
-        self._matrix = BlockMatrix(
-            tensor.columns, tensor.rows, 1, ctypes.pointer(self._segment), None, check_bits(activation_bits)
-        )
+        # rows are only looked up (a tied output matrix is a BlockProjection over the same tensor)
+        self._matrix = BlockMatrix(tensor.columns, tensor.rows, 1, ctypes.pointer(self._segment), None, 32)
 
     def matrix(self) -> BlockMatrix:
         """The table as a C weight description (one segment, vocab rows; valid while this lives)."""

@@ -83,7 +83,7 @@ def load_gguf_in_place(path: str | Path, progress: bool = False, activation_bits
                 bias = child == "qkv_proj" and config.qkv_bias
                 setattr(getattr(layer, parent), child, projection(full, bias))
         embedding = tensor("model.embed_tokens.weight")
-        model.embed_tokens = BlockEmbedding(embedding, activation_bits)  # type: ignore[assignment]
+        model.embed_tokens = BlockEmbedding(embedding)  # type: ignore[assignment]
         model.vocab_columns = None
         if config.tie_embeddings:
             model.lm_head = BlockProjection([embedding], [None], activation_bits=activation_bits)  # type: ignore[assignment]

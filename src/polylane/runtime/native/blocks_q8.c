@@ -91,11 +91,7 @@ static inline void set_block_scales(float *d, float *m, float scale, float offse
 
 /* Eight groups' d (one float each, or four per group with lanes). */
 static inline void store_scales8(float *d, __m256 scales) {
-#if defined(Q8_VNNI)
-    const __m512 wide = _mm512_castps256_ps512(scales);
-    _mm512_storeu_ps(d, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), wide));
-    _mm512_storeu_ps(d + 16, _mm512_permutexvar_ps(_mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7), wide));
-#elif D_PER_GROUP == 4
+#if D_PER_GROUP == 4
     for (int i = 0; i < 4; i++) {
         const __m256i pair = _mm256_blend_epi32(_mm256_set1_epi32(2 * i), _mm256_set1_epi32(2 * i + 1), 0xF0);
         _mm256_storeu_ps(d + 8 * i, _mm256_permutevar8x32_ps(scales, pair));
@@ -120,13 +116,7 @@ static inline void k4_group_scales(const uint8_t *block, float *d, float *m) {
     const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(-half_at(block + 2)),
                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
     const __m256i first = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), second = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
-#if defined(Q8_VNNI)
-    const __m512 wide = _mm512_castps256_ps512(scales); /* sub-block j (two groups) → lanes 8j..8j+7 */
-    for (int i = 0; i < 4; i++) {
-        const __m512i pair = _mm512_mask_blend_epi32((__mmask16)0xFF00, _mm512_set1_epi32(2 * i), _mm512_set1_epi32(2 * i + 1));
-        _mm512_storeu_ps(d + 16 * i, _mm512_permutexvar_ps(pair, wide));
-    }
-#elif D_PER_GROUP == 4
+#if D_PER_GROUP == 4 /* sub-block j (two groups) → lanes 8j..8j+7 */
     for (int j = 0; j < 8; j++) _mm256_storeu_ps(d + 8 * j, _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(j)));
 #else
     _mm256_storeu_ps(d, _mm256_permutevar8x32_ps(scales, first));
