@@ -123,7 +123,8 @@ def test_each_row_is_the_same_bits_whatever_its_batch_and_threads(bits):
     input give identical outputs, at 1 and 2 threads: the contract speculation relies on."""
     names = ("Q4_K", "Q6_K", "Q8_0", "Q4_1", "Q5_0")
     # 3,072 columns: prompts of 16+ rows code them in pieces (blocks_q8.c), decode rows whole
-    parts = [random_tensor(name, 20, 3072, seed=i)[0] for i, name in enumerate(names)]
+    # 18 rows each: some tiles of four rows mix two formats (one with a decode kernel, one without)
+    parts = [random_tensor(name, 18, 3072, seed=i)[0] for i, name in enumerate(names)]
     projection = BlockProjection(parts, [None] * len(parts), activation_bits=bits)
     x = torch.randn(300, 3072, generator=torch.Generator().manual_seed(3))
     together = projection(x)

@@ -472,7 +472,16 @@ static inline float lanes_total(const float *lanes) {
 #endif
 }
 
+#include "blocks_q8_decode.c" /* one activation row: the hot formats dotted straight from the blocks */
+
 /* ---------------------------------------------------------------- products */
+
+/* Whether every row of a tile has a decode kernel (blocks_q8_decode.c). */
+static int decodes_tile(const int64_t *types, int64_t count) {
+    for (int64_t r = 0; r < count; r++)
+        if (!has_decode_kernel(types[r])) return 0;
+    return 1;
+}
 
 static int coded_matrix(const BlockMatrix *w) {
     for (int64_t s = 0; s < w->num_segments; s++)
@@ -532,6 +541,15 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
                 int64_t types[TILE_ROWS];
                 for (int64_t r = 0; r < TILE_ROWS; r++) /* a short last tile repeats its first row */
                     sources[r] = source_row(w, n0 + (r < count ? r : 0), &types[r]);
+                if (rows == 1 && decodes_tile(types, count)) { /* the same numbers, without the codes' round trip */
+                    const CodedActivations a = activation_layout(activations, k);
+                    for (int64_t r = 0; r < count; r++) {
+                        float total;
+                        decode_row_dot(types[r], sources[r], k, &a, &total);
+                        y[n0 + r] = w->bias ? total + w->bias[n0 + r] : total;
+                    }
+                    continue;
+                }
                 memset(sums, 0, (size_t)(m1 - m0) * sizeof(TileSums));
                 for (int64_t c0 = 0; c0 < k; c0 += chunk) {
                     const int64_t len = k - c0 < chunk ? k - c0 : chunk;
