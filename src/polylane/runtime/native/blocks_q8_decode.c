@@ -1,7 +1,7 @@
 /* One activation row times the file's rows, straight from the blocks (included by blocks_q8.c).
 
 What this file owns: the decode step's product (a single activation row) for the formats that
-carry most of a K-quant model's bytes, Q4_K and Q6_K, on AVX-512 VNNI. coded_matmul codes four
+carry most of a K-quant model's bytes, Q4_K and Q6_K, on AVX-512 VNNI and on AVX2. coded_matmul codes four
 weight rows into a buffer and then dots them; with one activation row each code is used once, so
 storing and reloading the codes costs as much as the dot itself. Here each 64 codes are unpacked
 in registers and dotted at once.
@@ -79,6 +79,81 @@ static int decode_row_dot(int64_t type, const uint8_t *restrict row, int64_t k, 
         return 0;
     }
     *out = _mm512_reduce_add_ps(lanes) + _mm512_reduce_add_ps(offsets);
+    return 1;
+}
+
+static int has_decode_kernel(int64_t type) { return type == GGML_Q4_K || type == GGML_Q6_K; }
+
+#elif defined(Q8_AVX2)
+
+/* The product as code_row → coded_tile_step (AVX2) → lanes_total + offset_term computes it: 32
+   codes a step, vpmaddubsw then vpmaddwd by ones, each lane's scale the group's d times the lane's
+   activation scale; the offsets 8 groups a step. */
+static inline __m256 avx2_code_step(__m256i codes, const CodedActivations *x, int64_t i, __m256 d, __m256 lanes) {
+    const __m256i pairs = _mm256_maddubs_epi16(codes, _mm256_loadu_si256((const __m256i *)(x->q + i)));
+    const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    return _mm256_fmadd_ps(sums, _mm256_mul_ps(d, _mm256_loadu_ps(x->lane_scale + i / 4)), lanes);
+}
+
+static int decode_row_dot(int64_t type, const uint8_t *restrict row, int64_t k, const CodedActivations *x, float *out) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
+    const __m256i first = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), second = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+    __m256 lanes = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
+    switch (type) {
+    case GGML_Q4_K:
+        for (int64_t b = 0; b < k / 256; b++, row += 144) {
+            uint32_t words[4]; /* as k4_group_scales */
+            memcpy(words, row + 4, 12);
+            words[3] = ((words[2] >> 4) & 0x0f0f0f0f) | (((words[1] >> 6) & 0x03030303) << 4);
+            const uint32_t mins_low = words[1] & 0x3f3f3f3f;
+            words[1] = (words[2] & 0x0f0f0f0f) | (((words[0] >> 6) & 0x03030303) << 4);
+            words[2] = mins_low;
+            words[0] &= 0x3f3f3f3f;
+            const __m128i packed = _mm_loadu_si128((const __m128i *)words);
+            const __m256 scales = _mm256_mul_ps(_mm256_set1_ps(half_at(row)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
+            const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(-half_at(row + 2)),
+                                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
+            for (int p = 0; p < 4; p++) {
+                const int64_t i = 256 * b + 64 * p;
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(row + 16 + 32 * p));
+                lanes = avx2_code_step(_mm256_and_si256(bytes, low4), x, i,
+                                       _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(2 * p)), lanes);
+                lanes = avx2_code_step(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4), x, i + 32,
+                                       _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(2 * p + 1)), lanes);
+            }
+            offsets = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(mins, first), _mm256_loadu_ps(x->group_sum + 16 * b), offsets);
+            offsets = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(mins, second), _mm256_loadu_ps(x->group_sum + 16 * b + 8), offsets);
+        }
+        break;
+    case GGML_Q6_K:
+        for (int64_t b = 0; b < k / 256; b++, row += 210) {
+            const float scale = half_at(row + 208);
+            for (int half = 0; half < 2; half++) {
+                const uint8_t *ql = row + 64 * half, *qh = row + 128 + 32 * half;
+                const __m256 group_scale = _mm256_mul_ps(
+                    _mm256_set1_ps(scale), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + 192 + 8 * half)))));
+                const __m256i low_a = _mm256_loadu_si256((const __m256i *)ql), low_b = _mm256_loadu_si256((const __m256i *)(ql + 32));
+                const __m256i high = _mm256_loadu_si256((const __m256i *)qh);
+                for (int q = 0; q < 4; q++) { /* as simd_code_row */
+                    const __m256i low = q & 1 ? low_b : low_a;
+                    const __m256i nibble = _mm256_and_si256(q < 2 ? low : _mm256_srli_epi16(low, 4), low4);
+                    const __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * q)), low2), 4);
+                    const __m256i pair = _mm256_blend_epi32(_mm256_set1_epi32(2 * q), _mm256_set1_epi32(2 * q + 1), 0xF0);
+                    lanes = avx2_code_step(_mm256_or_si256(nibble, top), x, 256 * b + 128 * half + 32 * q,
+                                           _mm256_permutevar8x32_ps(group_scale, pair), lanes);
+                }
+                offsets = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(-32.0f), group_scale),
+                                          _mm256_loadu_ps(x->group_sum + 16 * b + 8 * half), offsets);
+            }
+        }
+        break;
+    default:
+        return 0;
+    }
+    float lane_values[8], offset_values[8];
+    _mm256_storeu_ps(lane_values, lanes);
+    _mm256_storeu_ps(offset_values, offsets);
+    *out = lanes_total(lane_values) + lanes_total(offset_values);
     return 1;
 }
 
