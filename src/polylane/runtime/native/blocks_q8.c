@@ -457,6 +457,40 @@ static void coded_tile_step(const CodedActivations *x, int64_t c0, int64_t len, 
 #endif
 }
 
+#if defined(Q8_VNNI)
+/* coded_tile_step for two activation rows at once: each code and lane scale is loaded once for
+   both; every (activation row, weight row) pair's lanes take exactly the operations
+   coded_tile_step gives them. */
+static void coded_tile_step_pair(const CodedActivations *x0, const CodedActivations *x1, int64_t c0, int64_t len,
+                                 int64_t chunk, const uint8_t *u, const float *d, TileSums *sums0, TileSums *sums1) {
+    const int64_t d_ld = chunk / GROUP * D_PER_GROUP;
+    __m512 acc[2][TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; r++) {
+        acc[0][r] = _mm512_loadu_ps(sums0->lanes[r]);
+        acc[1][r] = _mm512_loadu_ps(sums1->lanes[r]);
+    }
+    for (int64_t i = 0; i < len; i += 64) {
+        const __mmask64 bytes = len - i >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (len - i)) - 1;
+        const __mmask16 lanes = len - i >= 64 ? (__mmask16)0xFFFF : (__mmask16)0x00FF;
+        const __m512i xq0 = _mm512_maskz_loadu_epi8(bytes, x0->q + c0 + i), xq1 = _mm512_maskz_loadu_epi8(bytes, x1->q + c0 + i);
+        const __m512 xs0 = _mm512_maskz_loadu_ps(lanes, x0->lane_scale + (c0 + i) / 4);
+        const __m512 xs1 = _mm512_maskz_loadu_ps(lanes, x1->lane_scale + (c0 + i) / 4);
+        for (int r = 0; r < TILE_ROWS; r++) {
+            const __m512i codes = _mm512_maskz_loadu_epi8(bytes, u + r * chunk + i);
+            const __m512 scale = _mm512_maskz_loadu_ps(lanes, d + r * d_ld + i / 4);
+            acc[0][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xq0)),
+                                        _mm512_mul_ps(scale, xs0), acc[0][r]);
+            acc[1][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xq1)),
+                                        _mm512_mul_ps(scale, xs1), acc[1][r]);
+        }
+    }
+    for (int r = 0; r < TILE_ROWS; r++) {
+        _mm512_storeu_ps(sums0->lanes[r], acc[0][r]);
+        _mm512_storeu_ps(sums1->lanes[r], acc[1][r]);
+    }
+}
+#endif
+
 /* The sum of one row's lanes (see TileSums). */
 static inline float lanes_total(const float *lanes) {
 #if defined(Q8_VNNI)
@@ -559,6 +593,14 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
                     }
                     for (int64_t row = m0; row < m1; row++) {
                         const CodedActivations a = activation_layout(activations + (size_t)(row - m0) * x_bytes, k);
+#if defined(Q8_VNNI)
+                        if (row + 1 < m1) {
+                            const CodedActivations next = activation_layout(activations + (size_t)(row + 1 - m0) * x_bytes, k);
+                            coded_tile_step_pair(&a, &next, c0, len, chunk, codes, d, &sums[row - m0], &sums[row + 1 - m0]);
+                            row++;
+                            continue;
+                        }
+#endif
                         coded_tile_step(&a, c0, len, chunk, codes, d, types, &sums[row - m0]);
                     }
                 }
