@@ -28,29 +28,25 @@ path of blocks.c.
 #define GROUP 16  /* weights per (d, m) pair */
 #define MAX_CHUNK 2560      /* columns of a tile's rows coded at a time for prompts (codes stay in L1) */
 #define WHOLE_ROWS_BELOW 16 /* fewer activation rows than this: weight rows coded whole */
-#if defined(Q8_VNNI) || defined(Q8_AVX2)
-#define D_PER_GROUP 4 /* a coded row's d is expanded to one float per lane of 4 codes' sum */
+/* Codes whose group sums are formed in integers before any float operation: a span's groups take
+   one SIMD lane each (see "lane layout" below). */
+#if defined(Q8_VNNI)
+#define SPAN 256
+#elif defined(Q8_AVX2)
+#define SPAN 128
 #else
-#define D_PER_GROUP 1
+#define SPAN GROUP
 #endif
+#define SPAN_GROUPS (SPAN / GROUP)
 
-/* One weight row (or a chunk of one) as codes: u[k], d[k/16 · D_PER_GROUP], m[k/16]. */
+static inline int64_t whole_spans(int64_t columns) { return (columns + SPAN - 1) / SPAN * SPAN; }
+
+/* One weight row (or a chunk of one) as codes: u[k], d[k/16], m[k/16], natural order. */
 typedef struct {
     uint8_t *u;
     float *d;
     float *m;
 } CodedRow;
-
-/* With lanes (D_PER_GROUP 4): d[k/16] rewritten in place as one float per lane (4 per group, k/4
-   floats; the row's d buffer has room for them), from the end so that no group is overwritten
-   before it is read. Elsewhere nothing. (Only the formats without SIMD coding come here.) */
-static inline void expand_lanes(float *d, int64_t groups) {
-    if (D_PER_GROUP == 1) return;
-    for (int64_t g = groups - 1; g >= 0; g--) {
-        const float value = d[g];
-        for (int j = D_PER_GROUP - 1; j >= 0; j--) d[D_PER_GROUP * g + j] = value;
-    }
-}
 
 static int has_codes(int64_t type) {
     return type != GGML_F32 && type != GGML_F16 && type != GGML_BF16;
@@ -79,26 +75,10 @@ static inline void nibbles_simd(const uint8_t *restrict qs, uint8_t *restrict u)
     _mm_storeu_si128((__m128i *)(u + 16), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
 }
 
-/* A 32-block's d for its two groups (one float per group, or per lane) and m. */
+/* A 32-block's d and m for its two groups. */
 static inline void set_block_scales(float *d, float *m, float scale, float offset) {
-#if D_PER_GROUP == 4
-    _mm256_storeu_ps(d, _mm256_set1_ps(scale));
-#else
     d[0] = d[1] = scale;
-#endif
     m[0] = m[1] = offset;
-}
-
-/* Eight groups' d (one float each, or four per group with lanes). */
-static inline void store_scales8(float *d, __m256 scales) {
-#if D_PER_GROUP == 4
-    for (int i = 0; i < 4; i++) {
-        const __m256i pair = _mm256_blend_epi32(_mm256_set1_epi32(2 * i), _mm256_set1_epi32(2 * i + 1), 0xF0);
-        _mm256_storeu_ps(d + 8 * i, _mm256_permutevar8x32_ps(scales, pair));
-    }
-#else
-    _mm256_storeu_ps(d, scales);
-#endif
 }
 
 /* A Q4_K/Q5_K super-block's 16 group scales and offsets: its eight 6-bit (scale, min) pairs
@@ -116,12 +96,8 @@ static inline void k4_group_scales(const uint8_t *block, float *d, float *m) {
     const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(-half_at(block + 2)),
                                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
     const __m256i first = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), second = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
-#if D_PER_GROUP == 4 /* sub-block j (two groups) → lanes 8j..8j+7 */
-    for (int j = 0; j < 8; j++) _mm256_storeu_ps(d + 8 * j, _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(j)));
-#else
     _mm256_storeu_ps(d, _mm256_permutevar8x32_ps(scales, first));
     _mm256_storeu_ps(d + 8, _mm256_permutevar8x32_ps(scales, second));
-#endif
     _mm256_storeu_ps(m, _mm256_permutevar8x32_ps(mins, first));
     _mm256_storeu_ps(m + 8, _mm256_permutevar8x32_ps(mins, second));
 }
@@ -132,20 +108,20 @@ static int simd_code_row(int64_t type, const uint8_t *restrict row, int64_t k, C
     const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
     switch (type) {
     case GGML_Q4_0:
-        for (int64_t b = 0; b < k / 32; b++, row += 18, u += 32, d += 2 * D_PER_GROUP, m += 2) {
+        for (int64_t b = 0; b < k / 32; b++, row += 18, u += 32, d += 2, m += 2) {
             const float scale = half_at(row);
             nibbles_simd(row + 2, u);
             set_block_scales(d, m, scale, -8.0f * scale);
         }
         return 1;
     case GGML_Q4_1:
-        for (int64_t b = 0; b < k / 32; b++, row += 20, u += 32, d += 2 * D_PER_GROUP, m += 2) {
+        for (int64_t b = 0; b < k / 32; b++, row += 20, u += 32, d += 2, m += 2) {
             nibbles_simd(row + 4, u);
             set_block_scales(d, m, half_at(row), half_at(row + 2));
         }
         return 1;
     case GGML_Q5_0:
-        for (int64_t b = 0; b < k / 32; b++, row += 22, u += 32, d += 2 * D_PER_GROUP, m += 2) {
+        for (int64_t b = 0; b < k / 32; b++, row += 22, u += 32, d += 2, m += 2) {
             const float scale = half_at(row);
             uint32_t qh;
             memcpy(&qh, row + 2, 4);
@@ -157,7 +133,7 @@ static int simd_code_row(int64_t type, const uint8_t *restrict row, int64_t k, C
         }
         return 1;
     case GGML_Q8_0:
-        for (int64_t b = 0; b < k / 32; b++, row += 34, u += 32, d += 2 * D_PER_GROUP, m += 2) {
+        for (int64_t b = 0; b < k / 32; b++, row += 34, u += 32, d += 2, m += 2) {
             const float scale = half_at(row);
             const __m256i bytes = _mm256_loadu_si256((const __m256i *)(row + 2));
 #if defined(Q8_AVX2) /* the int8 values as they are (vpmaddubsw would saturate on int8 + 128) */
@@ -170,7 +146,7 @@ static int simd_code_row(int64_t type, const uint8_t *restrict row, int64_t k, C
         }
         return 1;
     case GGML_Q4_K:
-        for (int64_t b = 0; b < k / 256; b++, row += 144, d += 16 * D_PER_GROUP, m += 16) {
+        for (int64_t b = 0; b < k / 256; b++, row += 144, d += 16, m += 16) {
             const uint8_t *q = row + 16;
             for (int j = 0; j < 4; j++, q += 32, u += 64) {
                 const __m256i bytes = _mm256_loadu_si256((const __m256i *)q);
@@ -185,7 +161,7 @@ static int simd_code_row(int64_t type, const uint8_t *restrict row, int64_t k, C
             const float scale = half_at(row + 208);
             const uint8_t *ql = row, *qh = row + 128;
             const int8_t *sc = (const int8_t *)(row + 192);
-            for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, u += 128, d += 8 * D_PER_GROUP, m += 8) {
+            for (int half = 0; half < 2; half++, ql += 64, qh += 32, sc += 8, u += 128, d += 8, m += 8) {
                 const __m256i low_a = _mm256_loadu_si256((const __m256i *)ql);
                 const __m256i low_b = _mm256_loadu_si256((const __m256i *)(ql + 32));
                 const __m256i high = _mm256_loadu_si256((const __m256i *)qh);
@@ -197,7 +173,7 @@ static int simd_code_row(int64_t type, const uint8_t *restrict row, int64_t k, C
                 }
                 /* group 2q + part takes sc[2q + part]: the scales are in group order */
                 const __m256 group_scale = _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc))));
-                store_scales8(d, group_scale);
+                _mm256_storeu_ps(d, group_scale);
                 _mm256_storeu_ps(m, _mm256_mul_ps(_mm256_set1_ps(-32.0f), group_scale));
             }
         }
@@ -215,7 +191,6 @@ static void code_row(int64_t type, const uint8_t *restrict row, int64_t k, Coded
     if (simd_code_row(type, row, k, out)) return;
 #endif
     scalar_code_row(type, row, k, out);
-    expand_lanes(out.d, k / GROUP);
 }
 
 /* code_row in C, d one float per group. */
@@ -309,28 +284,107 @@ static void scalar_code_row(int64_t type, const uint8_t *restrict row, int64_t k
     }
 }
 
+/* ---------------------------------------------------------------- lane layout
+
+A span's codes in "lane layout": the group sums of a span are formed in integers, one group per
+32-bit lane, before any float operation (one float multiply-add per group rather than one per four
+codes). vpdpbusd (and vpmaddubsw + vpmaddwd) sum four adjacent bytes into a lane, so the span's
+bytes are reordered: step s (64 bytes on VNNI, 32 on AVX2) holds in lane n the bytes 4s..4s+3 of
+group g(n), and four steps summed give each lane its group's whole sum. The reorder is a 4×4
+transpose of 32-bit words inside each 128-bit lane, so g(n) = 4(n % 4) + n / 4 on VNNI (16 groups)
+and 2(n % 4) + n / 4 on AVX2 (8 groups); the group scales are permuted alike. Weight rows are
+coded this way once per tile and activation rows once per product, so a prompt pays for the
+reorder once per row and no more in the dot. Portable C keeps the natural order (SPAN = GROUP). */
+
+#if defined(Q8_VNNI)
+/* T[s] = 32-bit word s of each 128-bit lane of v[0..3], lane by lane (the transpose above); with
+   `add` the four results summed instead (the group sums of four natural-order dot products). */
+static inline void transpose_words(__m512i v[4]) {
+    const __m512i a = _mm512_unpacklo_epi32(v[0], v[1]), b = _mm512_unpackhi_epi32(v[0], v[1]);
+    const __m512i c = _mm512_unpacklo_epi32(v[2], v[3]), e = _mm512_unpackhi_epi32(v[2], v[3]);
+    v[0] = _mm512_unpacklo_epi64(a, c);
+    v[1] = _mm512_unpackhi_epi64(a, c);
+    v[2] = _mm512_unpacklo_epi64(b, e);
+    v[3] = _mm512_unpackhi_epi64(b, e);
+}
+
+static inline __m512i group_sums(__m512i v[4]) {
+    transpose_words(v);
+    return _mm512_add_epi32(_mm512_add_epi32(v[0], v[1]), _mm512_add_epi32(v[2], v[3]));
+}
+
+/* the group in lane n: 4(n % 4) + n / 4 */
+#define LANE_GROUPS _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)
+
+static void span_to_lanes(uint8_t *bytes, float *scales) {
+    __m512i v[4];
+    for (int s = 0; s < 4; s++) v[s] = _mm512_loadu_si512(bytes + 64 * s);
+    transpose_words(v);
+    for (int s = 0; s < 4; s++) _mm512_storeu_si512(bytes + 64 * s, v[s]);
+    _mm512_storeu_ps(scales, _mm512_permutexvar_ps(LANE_GROUPS, _mm512_loadu_ps(scales)));
+}
+#elif defined(Q8_AVX2)
+static inline void transpose_words(__m256i v[4]) {
+    const __m256i a = _mm256_unpacklo_epi32(v[0], v[1]), b = _mm256_unpackhi_epi32(v[0], v[1]);
+    const __m256i c = _mm256_unpacklo_epi32(v[2], v[3]), e = _mm256_unpackhi_epi32(v[2], v[3]);
+    v[0] = _mm256_unpacklo_epi64(a, c);
+    v[1] = _mm256_unpackhi_epi64(a, c);
+    v[2] = _mm256_unpacklo_epi64(b, e);
+    v[3] = _mm256_unpackhi_epi64(b, e);
+}
+
+static inline __m256i group_sums(__m256i v[4]) {
+    transpose_words(v);
+    return _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+}
+
+/* the group in lane n: 2(n % 4) + n / 4 */
+#define LANE_GROUPS _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)
+
+static void span_to_lanes(uint8_t *bytes, float *scales) {
+    __m256i v[4];
+    for (int s = 0; s < 4; s++) v[s] = _mm256_loadu_si256((const __m256i *)(bytes + 32 * s));
+    transpose_words(v);
+    for (int s = 0; s < 4; s++) _mm256_storeu_si256((__m256i *)(bytes + 32 * s), v[s]);
+    _mm256_storeu_ps(scales, _mm256_permutevar8x32_ps(_mm256_loadu_ps(scales), LANE_GROUPS));
+}
+#else
+static void span_to_lanes(uint8_t *bytes, float *scales) { (void)bytes, (void)scales; }
+#endif
+
+/* `columns` codes and their group scales, natural order, into lane layout in place; the buffers
+   hold whole spans, and the columns past `columns` are set to zero codes and zero scales. */
+static void to_lanes(uint8_t *codes, float *scales, int64_t columns) {
+    const int64_t padded = whole_spans(columns);
+    memset(codes + columns, 0, (size_t)(padded - columns));
+    for (int64_t g = columns / GROUP; g < padded / GROUP; g++) scales[g] = 0.0f;
+    for (int64_t c = 0; c < padded; c += SPAN) span_to_lanes(codes + c, scales + c / GROUP);
+}
+
 /* ---------------------------------------------------------------- activations */
 
-/* An activation row rounded to 8 bits: q[k] (int8), per group of 16 its scale,
-   and the float scale·Σq (the offset term's factor). */
+/* An activation row rounded to 8 bits: q (int8, natural order: the decode kernels' input) and the
+   same values in lane layout, each group's scale in lane layout, and per group (natural order)
+   scale·Σq, the offset term's factor. Buffers hold whole spans. */
 typedef struct {
     int8_t *q;
-    float *scale;      /* k/16 */
-    float *lane_scale; /* k/4: each group's scale once per 4 codes (VNNI lanes) */
-    float *group_sum;  /* k/16: the group's scale × Σ q over the group */
+    int8_t *lanes;
+    float *scale;
+    float *group_sum;
 } CodedActivations;
 
 static size_t activation_bytes(int64_t k) {
-    return (size_t)k + (size_t)(k / 16 + k / 4 + k / 16) * 4 + 64 * 4;
+    const size_t padded = (size_t)whole_spans(k);
+    return 2 * padded + 2 * (padded / GROUP) * sizeof(float);
 }
 
 static CodedActivations activation_layout(uint8_t *base, int64_t k) {
+    const size_t padded = (size_t)whole_spans(k);
     CodedActivations a;
-    const size_t k_up = ((size_t)k + 63) & ~(size_t)63;
     a.q = (int8_t *)base;
-    a.scale = (float *)(base + k_up);
-    a.lane_scale = a.scale + ((k / 16 + 15) & ~15);
-    a.group_sum = a.lane_scale + ((k / 4 + 15) & ~15);
+    a.lanes = (int8_t *)(base + padded);
+    a.scale = (float *)(base + 2 * padded);
+    a.group_sum = a.scale + padded / GROUP;
     return a;
 }
 
@@ -338,12 +392,17 @@ static CodedActivations activation_layout(uint8_t *base, int64_t k) {
    q = round(x · 127 / max|x|). Groups of 16 rather than llama.cpp's 32 or 256 halve the reach of an
    outlier, at no cost in the dot products (the weights have a scale per 16 anyway). */
 static void code_activations(const float *restrict x, int64_t k, CodedActivations a) {
-    for (int64_t g = 0; g < k / GROUP; g++) {
+    const int64_t padded = whole_spans(k);
+    for (int64_t g = 0; g < padded / GROUP; g++) {
+        if (g >= k / GROUP) {
+            memset(a.q + GROUP * g, 0, GROUP);
+            a.scale[g] = a.group_sum[g] = 0.0f;
+            continue;
+        }
         float amax = 0.0f;
         for (int j = 0; j < GROUP; j++) amax = fmaxf(amax, fabsf(x[GROUP * g + j]));
         const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
         a.scale[g] = scale;
-        for (int j = 0; j < 4; j++) a.lane_scale[4 * g + j] = scale;
         int sum = 0;
         for (int j = 0; j < GROUP; j++) {
             const int q = (int)nearbyintf(x[GROUP * g + j] * inverse);
@@ -352,6 +411,8 @@ static void code_activations(const float *restrict x, int64_t k, CodedActivation
         }
         a.group_sum[g] = scale * (float)sum;
     }
+    memcpy(a.lanes, a.q, (size_t)padded);
+    to_lanes((uint8_t *)a.lanes, a.scale, padded);
 }
 
 /* ---------------------------------------------------------------- dot products */
@@ -392,55 +453,47 @@ typedef struct {
 } TileSums;
 
 /* Adds x[c0, c0 + len) · w[r][c0, c0 + len) to sums->lanes[r] for r < TILE_ROWS: w the tile's coded
-   chunk (codes `chunk` bytes apart, lane or group scales `chunk / 16 · D_PER_GROUP` floats apart).
-   Every row's lanes see the same operations whatever the other rows hold or the batch is. */
+   chunk in lane layout (codes `chunk` bytes apart, group scales `chunk / 16` floats apart; chunk
+   and c0 whole spans). Per span and row: the group sums in integers, then one multiply-add per
+   lane, acc += float(sum) · (d · dx). Every row's lanes see the same operations whatever the other
+   rows hold or the batch is. */
 static void coded_tile_step(const CodedActivations *x, int64_t c0, int64_t len, int64_t chunk, const uint8_t *u,
                             const float *d, const int64_t *types, TileSums *sums) {
-    const int64_t d_ld = chunk / GROUP * D_PER_GROUP;
+    const int64_t d_ld = chunk / GROUP;
     (void)types; /* used by AVX2 only */
 #if defined(Q8_VNNI)
-    /* 64 codes a step: vpdpbusd leaves 16 lanes, lane j the sum of codes 4j..4j+3 (lanes 4g..4g+3 are
-       group g's), scaled by the group's d (one float per lane) times the block's activation scale. */
-    __m512 acc0 = _mm512_loadu_ps(sums->lanes[0]), acc1 = _mm512_loadu_ps(sums->lanes[1]);
-    __m512 acc2 = _mm512_loadu_ps(sums->lanes[2]), acc3 = _mm512_loadu_ps(sums->lanes[3]);
-    const int8_t *xq_base = x->q + c0;
-    const float *xs_base = x->lane_scale + c0 / 4;
-    for (int64_t i = 0; i < len; i += 64) {
-        const __mmask64 bytes = len - i >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (len - i)) - 1;
-        const __mmask16 lanes = len - i >= 64 ? (__mmask16)0xFFFF : (__mmask16)0x00FF;
-        const __m512i xq = _mm512_maskz_loadu_epi8(bytes, xq_base + i);
-        const __m512 xs = _mm512_maskz_loadu_ps(lanes, xs_base + i / 4);
-#define ROW_STEP(r, acc)                                                                                      \
-    acc = _mm512_fmadd_ps(                                                                                    \
-        _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_maskz_loadu_epi8(bytes, u + (r) * chunk + i), xq)), \
-        _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, d + (r) * d_ld + i / 4), xs), acc)
-        ROW_STEP(0, acc0);
-        ROW_STEP(1, acc1);
-        ROW_STEP(2, acc2);
-        ROW_STEP(3, acc3);
-#undef ROW_STEP
+    for (int r = 0; r < TILE_ROWS; r++) {
+        __m512 acc = _mm512_loadu_ps(sums->lanes[r]);
+        for (int64_t i = 0; i < len; i += SPAN) {
+            const uint8_t *codes = u + r * chunk + i;
+            const int8_t *xq = x->lanes + c0 + i;
+            __m512i sum = _mm512_setzero_si512();
+            for (int s = 0; s < 4; s++)
+                sum = _mm512_dpbusd_epi32(sum, _mm512_loadu_si512(codes + 64 * s), _mm512_loadu_si512(xq + 64 * s));
+            const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(d + r * d_ld + i / GROUP), _mm512_loadu_ps(x->scale + (c0 + i) / GROUP));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc);
+        }
+        _mm512_storeu_ps(sums->lanes[r], acc);
     }
-    _mm512_storeu_ps(sums->lanes[0], acc0);
-    _mm512_storeu_ps(sums->lanes[1], acc1);
-    _mm512_storeu_ps(sums->lanes[2], acc2);
-    _mm512_storeu_ps(sums->lanes[3], acc3);
 #elif defined(Q8_AVX2)
-    /* 32 codes a step: vpmaddubsw (unsigned codes × int8 activations, pairs summed in int16: at most
-       2·63·127 for 6-bit codes, no saturation) then vpmaddwd by ones leaves 8 lanes, lane j the sum
-       of codes 4j..4j+3, scaled as on VNNI. Q8_0 rows hold signed int8 values (see simd_code_row):
-       |w| times x with w's sign (vpsignb), at most 2·128·127. */
+    /* vpmaddubsw (unsigned codes × int8 activations, pairs summed in int16: at most 2·63·127 for
+       6-bit codes, no saturation) then vpmaddwd by ones: lanes of four codes' sums. Q8_0 rows hold
+       signed int8 values (see simd_code_row): |w| times x with w's sign (vpsignb), at most 2·128·127. */
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < TILE_ROWS; r++) {
         const int signed_codes = types[r] == GGML_Q8_0;
         __m256 acc = _mm256_loadu_ps(sums->lanes[r]);
-        for (int64_t i = 0; i < len; i += 32) {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(u + r * chunk + i));
-            const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + c0 + i));
-            const __m256i pairs = signed_codes ? _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xq, w))
-                                               : _mm256_maddubs_epi16(w, xq);
-            const __m256 lanes = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-            const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(d + r * d_ld + i / 4), _mm256_loadu_ps(x->lane_scale + (c0 + i) / 4));
-            acc = _mm256_fmadd_ps(lanes, scale, acc);
+        for (int64_t i = 0; i < len; i += SPAN) {
+            __m256i sum = _mm256_setzero_si256();
+            for (int s = 0; s < 4; s++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(u + r * chunk + i + 32 * s));
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->lanes + c0 + i + 32 * s));
+                const __m256i pairs = signed_codes ? _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xq, w))
+                                                   : _mm256_maddubs_epi16(w, xq);
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
+            }
+            const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(d + r * d_ld + i / GROUP), _mm256_loadu_ps(x->scale + (c0 + i) / GROUP));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc);
         }
         _mm256_storeu_ps(sums->lanes[r], acc);
     }
@@ -458,35 +511,29 @@ static void coded_tile_step(const CodedActivations *x, int64_t c0, int64_t len, 
 }
 
 #if defined(Q8_VNNI)
-/* coded_tile_step for two activation rows at once: each code and lane scale is loaded once for
+/* coded_tile_step for two activation rows at once: each code and group scale is loaded once for
    both; every (activation row, weight row) pair's lanes take exactly the operations
    coded_tile_step gives them. */
 static void coded_tile_step_pair(const CodedActivations *x0, const CodedActivations *x1, int64_t c0, int64_t len,
                                  int64_t chunk, const uint8_t *u, const float *d, TileSums *sums0, TileSums *sums1) {
-    const int64_t d_ld = chunk / GROUP * D_PER_GROUP;
-    __m512 acc[2][TILE_ROWS];
+    const int64_t d_ld = chunk / GROUP;
     for (int r = 0; r < TILE_ROWS; r++) {
-        acc[0][r] = _mm512_loadu_ps(sums0->lanes[r]);
-        acc[1][r] = _mm512_loadu_ps(sums1->lanes[r]);
-    }
-    for (int64_t i = 0; i < len; i += 64) {
-        const __mmask64 bytes = len - i >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << (len - i)) - 1;
-        const __mmask16 lanes = len - i >= 64 ? (__mmask16)0xFFFF : (__mmask16)0x00FF;
-        const __m512i xq0 = _mm512_maskz_loadu_epi8(bytes, x0->q + c0 + i), xq1 = _mm512_maskz_loadu_epi8(bytes, x1->q + c0 + i);
-        const __m512 xs0 = _mm512_maskz_loadu_ps(lanes, x0->lane_scale + (c0 + i) / 4);
-        const __m512 xs1 = _mm512_maskz_loadu_ps(lanes, x1->lane_scale + (c0 + i) / 4);
-        for (int r = 0; r < TILE_ROWS; r++) {
-            const __m512i codes = _mm512_maskz_loadu_epi8(bytes, u + r * chunk + i);
-            const __m512 scale = _mm512_maskz_loadu_ps(lanes, d + r * d_ld + i / 4);
-            acc[0][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xq0)),
-                                        _mm512_mul_ps(scale, xs0), acc[0][r]);
-            acc[1][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xq1)),
-                                        _mm512_mul_ps(scale, xs1), acc[1][r]);
+        __m512 acc0 = _mm512_loadu_ps(sums0->lanes[r]), acc1 = _mm512_loadu_ps(sums1->lanes[r]);
+        for (int64_t i = 0; i < len; i += SPAN) {
+            const uint8_t *codes = u + r * chunk + i;
+            const int8_t *xq0 = x0->lanes + c0 + i, *xq1 = x1->lanes + c0 + i;
+            __m512i sum0 = _mm512_setzero_si512(), sum1 = _mm512_setzero_si512();
+            for (int s = 0; s < 4; s++) {
+                const __m512i w = _mm512_loadu_si512(codes + 64 * s);
+                sum0 = _mm512_dpbusd_epi32(sum0, w, _mm512_loadu_si512(xq0 + 64 * s));
+                sum1 = _mm512_dpbusd_epi32(sum1, w, _mm512_loadu_si512(xq1 + 64 * s));
+            }
+            const __m512 scale = _mm512_loadu_ps(d + r * d_ld + i / GROUP);
+            acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum0), _mm512_mul_ps(scale, _mm512_loadu_ps(x0->scale + (c0 + i) / GROUP)), acc0);
+            acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum1), _mm512_mul_ps(scale, _mm512_loadu_ps(x1->scale + (c0 + i) / GROUP)), acc1);
         }
-    }
-    for (int r = 0; r < TILE_ROWS; r++) {
-        _mm512_storeu_ps(sums0->lanes[r], acc[0][r]);
-        _mm512_storeu_ps(sums1->lanes[r], acc[1][r]);
+        _mm512_storeu_ps(sums0->lanes[r], acc0);
+        _mm512_storeu_ps(sums1->lanes[r], acc1);
     }
 }
 #endif
@@ -510,6 +557,12 @@ static inline float lanes_total(const float *lanes) {
 
 /* ---------------------------------------------------------------- products */
 
+static int coded_matrix(const BlockMatrix *w) {
+    for (int64_t s = 0; s < w->num_segments; s++)
+        if (!has_codes(w->segments[s].type)) return 0;
+    return 1;
+}
+
 /* Whether every row of a tile has a decode kernel (blocks_q8_decode.c). */
 static int decodes_tile(const int64_t *types, int64_t count) {
     for (int64_t r = 0; r < count; r++)
@@ -517,18 +570,13 @@ static int decodes_tile(const int64_t *types, int64_t count) {
     return 1;
 }
 
-static int coded_matrix(const BlockMatrix *w) {
-    for (int64_t s = 0; s < w->num_segments; s++)
-        if (!has_codes(w->segments[s].type)) return 0;
-    return 1;
-}
-
 /* y (rows, out_features) = x·Wᵀ + bias with x rounded to 8 bits per group (blocks.c's matmul when
    the matrix asks for 8-bit activations). 0, or 1 when scratch memory ran out.
 
-   Per thread, a tile of TILE_ROWS weight rows is coded `chunk` columns at a time into a buffer, and
-   every activation row of the block takes that chunk before the next is coded; each (activation
-   row, weight row) pair keeps its running lanes in a TileSums between chunks. */
+   Per thread, a tile of TILE_ROWS weight rows is coded `chunk` columns at a time into a buffer (in
+   lane layout), and every activation row of the block takes that chunk before the next is coded;
+   each (activation row, weight row) pair keeps its running lanes in a TileSums between chunks. A
+   single activation row (decode) skips the buffer where blocks_q8_decode.c has the tile's formats. */
 static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, float *y, int threads) {
     const int64_t k = w->in_features, n_total = w->out_features, groups = k / GROUP;
     const int64_t tiles = (n_total + TILE_ROWS - 1) / TILE_ROWS;
@@ -543,8 +591,8 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
        every activation row takes them. The pieces change no operation of any output. */
     const int64_t max_chunk = rows < WHOLE_ROWS_BELOW ? k : MAX_CHUNK;
     const int64_t pieces = (k + max_chunk - 1) / max_chunk;
-    const int64_t chunk = ((k / pieces + 255) / 256) * 256 < k ? ((k / pieces + 255) / 256) * 256 : k;
-    const int64_t d_ld = chunk / GROUP * D_PER_GROUP;
+    const int64_t chunk = whole_spans(((k / pieces + 255) / 256) * 256 < k ? ((k / pieces + 255) / 256) * 256 : k);
+    const int64_t d_ld = chunk / GROUP;
     /* per thread: codes, d and the whole rows' m for the tile, then the pairs' running sums */
     const size_t codes_bytes = (size_t)TILE_ROWS * chunk, d_bytes = (size_t)TILE_ROWS * d_ld * sizeof(float);
     const size_t m_bytes = ((size_t)TILE_ROWS * groups * sizeof(float) + 63) & ~(size_t)63;
@@ -590,18 +638,20 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
                     for (int64_t r = 0; r < TILE_ROWS; r++) {
                         const CodedRow coded = {codes + r * chunk, d + r * d_ld, m + r * groups + c0 / GROUP};
                         code_row(types[r], sources[r] + block_row_bytes(types[r], c0), len, coded);
+                        to_lanes(coded.u, coded.d, len);
                     }
+                    const int64_t span_len = whole_spans(len);
                     for (int64_t row = m0; row < m1; row++) {
                         const CodedActivations a = activation_layout(activations + (size_t)(row - m0) * x_bytes, k);
 #if defined(Q8_VNNI)
                         if (row + 1 < m1) {
                             const CodedActivations next = activation_layout(activations + (size_t)(row + 1 - m0) * x_bytes, k);
-                            coded_tile_step_pair(&a, &next, c0, len, chunk, codes, d, &sums[row - m0], &sums[row + 1 - m0]);
+                            coded_tile_step_pair(&a, &next, c0, span_len, chunk, codes, d, &sums[row - m0], &sums[row + 1 - m0]);
                             row++;
                             continue;
                         }
 #endif
-                        coded_tile_step(&a, c0, len, chunk, codes, d, types, &sums[row - m0]);
+                        coded_tile_step(&a, c0, span_len, chunk, codes, d, types, &sums[row - m0]);
                     }
                 }
                 for (int64_t row = m0; row < m1; row++) {

@@ -6,9 +6,10 @@ weight rows into a buffer and then dots them; with one activation row each code 
 storing and reloading the codes costs as much as the dot itself. Here each 64 codes are unpacked
 in registers and dotted at once.
 
-Bit-identical to the coded path: the codes, each lane's scale (the same floats, moved by a
-permute instead of a store), the integer dot products and every float operation, in the same
-order, are those of code_row → coded_tile_step → lanes_total + offset_term. So a decode step gives
+Bit-identical to the coded path: the codes, the integer group sums (formed from natural-order dot
+products instead of lane-layout ones: integer sums, so the same), each lane's scale (the same floats,
+moved by a permute instead of a store) and every float operation, in the same order, are those of
+code_row → to_lanes → coded_tile_step → lanes_total + offset_term. So a decode step gives
 the logits a verify pass or a prompt would give for that row (batch independence), and the
 tests of the coded path hold for this one.
 */
@@ -16,15 +17,20 @@ tests of the coded path hold for this one.
 #if defined(Q8_VNNI)
 
 /* x·w for one weight row of `type` (k columns) and one coded activation row; 0 when the format has
-   no kernel here (the caller takes the coded path). */
+   no kernel here (the caller takes the coded path). Per super-block (one span): four natural-order
+   dot products of 64 codes, their group sums in lane order (group_sums), then the coded path's
+   multiply-add with the group scales permuted to lane order. */
 static int decode_row_dot(int64_t type, const uint8_t *restrict row, int64_t k, const CodedActivations *x, float *out) {
     const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(3);
     __m512 lanes = _mm512_setzero_ps(), offsets = _mm512_setzero_ps();
+    __m512i sums[4];
     switch (type) {
     case GGML_Q4_K: {
         /* 16-bit shift counts: 0 for the low 32 bytes (low nibbles), 4 for the high 32 */
         const __m512i nibble_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-        /* the block's 16 scale floats: lanes 0–7 sub-block scales, 8–15 sub-block offsets */
+        /* the block's 16 scale floats hold sub-block scales in 0–7 and offsets in 8–15; lane n's
+           group is LANE_GROUPS[n], its sub-block half that */
+        const __m512i lane_sub_block = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7);
         const __m512i group_offset = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
         for (int64_t b = 0; b < k / 256; b++, row += 144) {
             uint32_t words[4]; /* as k4_group_scales */
@@ -37,15 +43,12 @@ static int decode_row_dot(int64_t type, const uint8_t *restrict row, int64_t k, 
             const __m512 factors = _mm512_insertf32x8(_mm512_set1_ps(half_at(row)), _mm256_set1_ps(-half_at(row + 2)), 1);
             const __m512 scales = _mm512_mul_ps(factors, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)words))));
             for (int p = 0; p < 4; p++) {
-                const int64_t i = 256 * b + 64 * p;
                 const __m512i packed = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 16 + 32 * p)));
                 const __m512i codes = _mm512_and_si512(_mm512_srlv_epi16(packed, nibble_shift), low4);
-                /* lanes 0–7 are sub-block 2p's, 8–15 sub-block 2p + 1's */
-                const __m512i sub_block = _mm512_inserti64x4(_mm512_set1_epi32(2 * p), _mm256_set1_epi32(2 * p + 1), 1);
-                const __m512 scale = _mm512_mul_ps(_mm512_permutexvar_ps(sub_block, scales), _mm512_loadu_ps(x->lane_scale + i / 4));
-                const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(x->q + i));
-                lanes = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, lanes);
+                sums[p] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(x->q + 256 * b + 64 * p));
             }
+            const __m512 scale = _mm512_mul_ps(_mm512_permutexvar_ps(lane_sub_block, scales), _mm512_loadu_ps(x->scale + 16 * b));
+            lanes = _mm512_fmadd_ps(_mm512_cvtepi32_ps(group_sums(sums)), scale, lanes);
             offsets = _mm512_fmadd_ps(_mm512_permutexvar_ps(group_offset, scales), _mm512_loadu_ps(x->group_sum + 16 * b), offsets);
         }
         break;
@@ -58,19 +61,16 @@ static int decode_row_dot(int64_t type, const uint8_t *restrict row, int64_t k, 
             const __m512 group_scale = _mm512_mul_ps(_mm512_set1_ps(half_at(row + 208)),
                                                      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 192)))));
             for (int c = 0; c < 4; c++) { /* chunk c: groups 4c..4c+3, from half c / 2 */
-                const int64_t i = 256 * b + 64 * c;
                 const uint8_t *ql = row + 64 * (c / 2), *qh = row + 128 + 32 * (c / 2);
                 const __m512i low_bytes = _mm512_loadu_si512(ql);
                 const __m512i low = _mm512_and_si512(c % 2 ? _mm512_srli_epi16(low_bytes, 4) : low_bytes, low4);
                 const __m512i high = _mm512_and_si512(
                     _mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qh)), high_shift[c % 2]), low2);
                 const __m512i codes = _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
-                const __m512i group = _mm512_setr_epi32(4 * c, 4 * c, 4 * c, 4 * c, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1,
-                                                        4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3);
-                const __m512 scale = _mm512_mul_ps(_mm512_permutexvar_ps(group, group_scale), _mm512_loadu_ps(x->lane_scale + i / 4));
-                const __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(x->q + i));
-                lanes = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, lanes);
+                sums[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(x->q + 256 * b + 64 * c));
             }
+            const __m512 scale = _mm512_mul_ps(_mm512_permutexvar_ps(LANE_GROUPS, group_scale), _mm512_loadu_ps(x->scale + 16 * b));
+            lanes = _mm512_fmadd_ps(_mm512_cvtepi32_ps(group_sums(sums)), scale, lanes);
             offsets = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(-32.0f), group_scale), _mm512_loadu_ps(x->group_sum + 16 * b), offsets);
         }
         break;
@@ -86,19 +86,19 @@ static int has_decode_kernel(int64_t type) { return type == GGML_Q4_K || type ==
 
 #elif defined(Q8_AVX2)
 
-/* The product as code_row → coded_tile_step (AVX2) → lanes_total + offset_term computes it: 32
-   codes a step, vpmaddubsw then vpmaddwd by ones, each lane's scale the group's d times the lane's
-   activation scale; the offsets 8 groups a step. */
-static inline __m256 avx2_code_step(__m256i codes, const CodedActivations *x, int64_t i, __m256 d, __m256 lanes) {
+/* The same on AVX2, as code_row → coded_tile_step (AVX2) → lanes_total + offset_term computes it:
+   spans of 128 codes, four natural-order pieces of 32 (vpmaddubsw, vpmaddwd by ones) each; the
+   offsets 8 groups a step. */
+static inline __m256i piece_sums(__m256i codes, const CodedActivations *x, int64_t i) {
     const __m256i pairs = _mm256_maddubs_epi16(codes, _mm256_loadu_si256((const __m256i *)(x->q + i)));
-    const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-    return _mm256_fmadd_ps(sums, _mm256_mul_ps(d, _mm256_loadu_ps(x->lane_scale + i / 4)), lanes);
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
 static int decode_row_dot(int64_t type, const uint8_t *restrict row, int64_t k, const CodedActivations *x, float *out) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
     const __m256i first = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), second = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
     __m256 lanes = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
+    __m256i sums[4];
     switch (type) {
     case GGML_Q4_K:
         for (int64_t b = 0; b < k / 256; b++, row += 144) {
@@ -113,13 +113,15 @@ static int decode_row_dot(int64_t type, const uint8_t *restrict row, int64_t k, 
             const __m256 scales = _mm256_mul_ps(_mm256_set1_ps(half_at(row)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
             const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(-half_at(row + 2)),
                                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
-            for (int p = 0; p < 4; p++) {
-                const int64_t i = 256 * b + 64 * p;
-                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(row + 16 + 32 * p));
-                lanes = avx2_code_step(_mm256_and_si256(bytes, low4), x, i,
-                                       _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(2 * p)), lanes);
-                lanes = avx2_code_step(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4), x, i + 32,
-                                       _mm256_permutevar8x32_ps(scales, _mm256_set1_epi32(2 * p + 1)), lanes);
+            for (int h = 0; h < 2; h++) { /* span h: sub-blocks 4h..4h+3; lane n's sub-block 4h + n % 4 */
+                for (int p = 0; p < 2; p++) {
+                    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(row + 16 + 64 * h + 32 * p));
+                    sums[2 * p] = piece_sums(_mm256_and_si256(bytes, low4), x, 256 * b + 128 * h + 64 * p);
+                    sums[2 * p + 1] = piece_sums(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4), x, 256 * b + 128 * h + 64 * p + 32);
+                }
+                const __m256i sub_block = _mm256_setr_epi32(4 * h, 4 * h + 1, 4 * h + 2, 4 * h + 3, 4 * h, 4 * h + 1, 4 * h + 2, 4 * h + 3);
+                const __m256 scale = _mm256_mul_ps(_mm256_permutevar8x32_ps(scales, sub_block), _mm256_loadu_ps(x->scale + 16 * b + 8 * h));
+                lanes = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sums(sums)), scale, lanes);
             }
             offsets = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(mins, first), _mm256_loadu_ps(x->group_sum + 16 * b), offsets);
             offsets = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(mins, second), _mm256_loadu_ps(x->group_sum + 16 * b + 8), offsets);
@@ -128,7 +130,7 @@ static int decode_row_dot(int64_t type, const uint8_t *restrict row, int64_t k, 
     case GGML_Q6_K:
         for (int64_t b = 0; b < k / 256; b++, row += 210) {
             const float scale = half_at(row + 208);
-            for (int half = 0; half < 2; half++) {
+            for (int half = 0; half < 2; half++) { /* one span */
                 const uint8_t *ql = row + 64 * half, *qh = row + 128 + 32 * half;
                 const __m256 group_scale = _mm256_mul_ps(
                     _mm256_set1_ps(scale), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + 192 + 8 * half)))));
@@ -138,10 +140,11 @@ static int decode_row_dot(int64_t type, const uint8_t *restrict row, int64_t k, 
                     const __m256i low = q & 1 ? low_b : low_a;
                     const __m256i nibble = _mm256_and_si256(q < 2 ? low : _mm256_srli_epi16(low, 4), low4);
                     const __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * q)), low2), 4);
-                    const __m256i pair = _mm256_blend_epi32(_mm256_set1_epi32(2 * q), _mm256_set1_epi32(2 * q + 1), 0xF0);
-                    lanes = avx2_code_step(_mm256_or_si256(nibble, top), x, 256 * b + 128 * half + 32 * q,
-                                           _mm256_permutevar8x32_ps(group_scale, pair), lanes);
+                    sums[q] = piece_sums(_mm256_or_si256(nibble, top), x, 256 * b + 128 * half + 32 * q);
                 }
+                const __m256 lane_scale = _mm256_mul_ps(_mm256_permutevar8x32_ps(group_scale, LANE_GROUPS),
+                                                        _mm256_loadu_ps(x->scale + 16 * b + 8 * half));
+                lanes = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sums(sums)), lane_scale, lanes);
                 offsets = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(-32.0f), group_scale),
                                           _mm256_loadu_ps(x->group_sum + 16 * b + 8 * half), offsets);
             }
