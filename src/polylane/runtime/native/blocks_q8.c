@@ -417,63 +417,37 @@ static void code_activations(const float *restrict x, int64_t k, CodedActivation
 
 /* ---------------------------------------------------------------- dot products */
 
-/* Σ_g m_g · group_sum_g over k/16 groups: the offset term of one row pair. */
-static inline float offset_term(const float *restrict m, const float *restrict group_sum, int64_t groups) {
-#if defined(Q8_VNNI)
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g += 16) {
-        const __mmask16 lanes = groups - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, m + g), _mm512_maskz_loadu_ps(lanes, group_sum + g), acc);
-    }
-    return _mm512_reduce_add_ps(acc);
-#elif defined(Q8_AVX2)
-    __m256 acc = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 8 <= groups; g += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(m + g), _mm256_loadu_ps(group_sum + g), acc);
-    __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    sum4 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
-    sum4 = _mm_add_ss(sum4, _mm_movehdup_ps(sum4));
-    float total = _mm_cvtss_f32(sum4);
-    for (; g < groups; g++) total += m[g] * group_sum[g];
-    return total;
-#else
-    float acc[8] = {0};
-    int64_t g = 0;
-    for (; g + 8 <= groups; g += 8)
-        for (int j = 0; j < 8; j++) acc[j] += m[g + j] * group_sum[g + j];
-    for (int j = 0; g < groups; g++, j++) acc[j] += m[g] * group_sum[g];
-    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
-#endif
-}
-
 /* A tile's running sums: per weight row, one vector of lanes (16 floats for VNNI, 8 for AVX2, the
    first only in C), kept between the chunks of a row. */
 typedef struct {
     float lanes[TILE_ROWS][16];
 } TileSums;
 
-/* Adds x[c0, c0 + len) · w[r][c0, c0 + len) to sums->lanes[r] for r < TILE_ROWS: w the tile's coded
-   chunk in lane layout (codes `chunk` bytes apart, group scales `chunk / 16` floats apart; chunk
-   and c0 whole spans). Per span and row: the group sums in integers, then one multiply-add per
-   lane, acc += float(sum) · (d · dx). Every row's lanes see the same operations whatever the other
+/* Adds x[c0, c0 + len) · w[r][c0, c0 + len) to sums for r < TILE_ROWS: w the tile's coded chunk in
+   lane layout (codes `chunk` bytes apart, group scales `chunk / 16` floats apart; chunk and c0 whole
+   spans), m the rows' offsets (natural order, `m_ld` floats apart, from column 0). Per span and
+   row: the group sums in integers, then lanes += float(sum) · (d · dx) and lanes += m · dx·Σq (the
+   offsets in natural group order). Every row's lanes see the same operations whatever the other
    rows hold or the batch is. */
 static void coded_tile_step(const CodedActivations *x, int64_t c0, int64_t len, int64_t chunk, const uint8_t *u,
-                            const float *d, const int64_t *types, TileSums *sums) {
+                            const float *d, const float *m, int64_t m_ld, const int64_t *types, TileSums *sums) {
     const int64_t d_ld = chunk / GROUP;
     (void)types; /* used by AVX2 only */
 #if defined(Q8_VNNI)
     for (int r = 0; r < TILE_ROWS; r++) {
-        __m512 acc = _mm512_loadu_ps(sums->lanes[r]);
+        __m512 lanes = _mm512_loadu_ps(sums->lanes[r]);
         for (int64_t i = 0; i < len; i += SPAN) {
             const uint8_t *codes = u + r * chunk + i;
             const int8_t *xq = x->lanes + c0 + i;
             __m512i sum = _mm512_setzero_si512();
             for (int s = 0; s < 4; s++)
                 sum = _mm512_dpbusd_epi32(sum, _mm512_loadu_si512(codes + 64 * s), _mm512_loadu_si512(xq + 64 * s));
-            const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(d + r * d_ld + i / GROUP), _mm512_loadu_ps(x->scale + (c0 + i) / GROUP));
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc);
+            const int64_t g = (c0 + i) / GROUP;
+            const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(d + r * d_ld + i / GROUP), _mm512_loadu_ps(x->scale + g));
+            lanes = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, lanes);
+            lanes = _mm512_fmadd_ps(_mm512_loadu_ps(m + r * m_ld + g), _mm512_loadu_ps(x->group_sum + g), lanes);
         }
-        _mm512_storeu_ps(sums->lanes[r], acc);
+        _mm512_storeu_ps(sums->lanes[r], lanes);
     }
 #elif defined(Q8_AVX2)
     /* vpmaddubsw (unsigned codes × int8 activations, pairs summed in int16: at most 2·63·127 for
@@ -482,7 +456,7 @@ static void coded_tile_step(const CodedActivations *x, int64_t c0, int64_t len, 
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < TILE_ROWS; r++) {
         const int signed_codes = types[r] == GGML_Q8_0;
-        __m256 acc = _mm256_loadu_ps(sums->lanes[r]);
+        __m256 lanes = _mm256_loadu_ps(sums->lanes[r]);
         for (int64_t i = 0; i < len; i += SPAN) {
             __m256i sum = _mm256_setzero_si256();
             for (int s = 0; s < 4; s++) {
@@ -492,53 +466,72 @@ static void coded_tile_step(const CodedActivations *x, int64_t c0, int64_t len, 
                                                    : _mm256_maddubs_epi16(w, xq);
                 sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
             }
-            const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(d + r * d_ld + i / GROUP), _mm256_loadu_ps(x->scale + (c0 + i) / GROUP));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, acc);
+            const int64_t g = (c0 + i) / GROUP;
+            const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(d + r * d_ld + i / GROUP), _mm256_loadu_ps(x->scale + g));
+            lanes = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, lanes);
+            lanes = _mm256_fmadd_ps(_mm256_loadu_ps(m + r * m_ld + g), _mm256_loadu_ps(x->group_sum + g), lanes);
         }
-        _mm256_storeu_ps(sums->lanes[r], acc);
+        _mm256_storeu_ps(sums->lanes[r], lanes);
     }
 #else
     for (int r = 0; r < TILE_ROWS; r++) {
-        float acc = sums->lanes[r][0];
-        for (int64_t g = 0; g < len / GROUP; g++) {
+        float lanes = sums->lanes[r][0];
+        for (int64_t i = 0; i < len; i += GROUP) {
+            const int64_t g = (c0 + i) / GROUP;
             int32_t sum = 0;
-            for (int j = 0; j < GROUP; j++) sum += (int32_t)u[r * chunk + GROUP * g + j] * (int32_t)x->q[c0 + GROUP * g + j];
-            acc += (float)sum * (d[r * d_ld + g] * x->scale[(c0 + GROUP * g) / GROUP]);
+            for (int j = 0; j < GROUP; j++) sum += (int32_t)u[r * chunk + i + j] * (int32_t)x->q[c0 + i + j];
+            lanes += (float)sum * (d[r * d_ld + i / GROUP] * x->scale[g]);
+            lanes += m[r * m_ld + g] * x->group_sum[g];
         }
-        sums->lanes[r][0] = acc;
+        sums->lanes[r][0] = lanes;
     }
 #endif
 }
 
 #if defined(Q8_VNNI)
-/* coded_tile_step for two activation rows at once: each code and group scale is loaded once for
-   both; every (activation row, weight row) pair's lanes take exactly the operations
-   coded_tile_step gives them. */
+/* coded_tile_step for two activation rows at once, the tile's four weight rows taken together in
+   each step of 64 codes: each code vector is loaded once for both activation rows and each
+   activation vector once for the four weight rows. Every (activation row, weight row) pair's lanes
+   take exactly the operations coded_tile_step gives them. */
 static void coded_tile_step_pair(const CodedActivations *x0, const CodedActivations *x1, int64_t c0, int64_t len,
-                                 int64_t chunk, const uint8_t *u, const float *d, TileSums *sums0, TileSums *sums1) {
+                                 int64_t chunk, const uint8_t *u, const float *d, const float *m, int64_t m_ld,
+                                 TileSums *sums0, TileSums *sums1) {
     const int64_t d_ld = chunk / GROUP;
+    __m512 lanes[2][TILE_ROWS];
     for (int r = 0; r < TILE_ROWS; r++) {
-        __m512 acc0 = _mm512_loadu_ps(sums0->lanes[r]), acc1 = _mm512_loadu_ps(sums1->lanes[r]);
-        for (int64_t i = 0; i < len; i += SPAN) {
-            const uint8_t *codes = u + r * chunk + i;
-            const int8_t *xq0 = x0->lanes + c0 + i, *xq1 = x1->lanes + c0 + i;
-            __m512i sum0 = _mm512_setzero_si512(), sum1 = _mm512_setzero_si512();
-            for (int s = 0; s < 4; s++) {
-                const __m512i w = _mm512_loadu_si512(codes + 64 * s);
-                sum0 = _mm512_dpbusd_epi32(sum0, w, _mm512_loadu_si512(xq0 + 64 * s));
-                sum1 = _mm512_dpbusd_epi32(sum1, w, _mm512_loadu_si512(xq1 + 64 * s));
+        lanes[0][r] = _mm512_loadu_ps(sums0->lanes[r]);
+        lanes[1][r] = _mm512_loadu_ps(sums1->lanes[r]);
+    }
+    for (int64_t i = 0; i < len; i += SPAN) {
+        __m512i sum[2][TILE_ROWS];
+        for (int r = 0; r < TILE_ROWS; r++) sum[0][r] = sum[1][r] = _mm512_setzero_si512();
+        for (int s = 0; s < 4; s++) {
+            const __m512i xq0 = _mm512_loadu_si512(x0->lanes + c0 + i + 64 * s), xq1 = _mm512_loadu_si512(x1->lanes + c0 + i + 64 * s);
+            for (int r = 0; r < TILE_ROWS; r++) {
+                const __m512i w = _mm512_loadu_si512(u + r * chunk + i + 64 * s);
+                sum[0][r] = _mm512_dpbusd_epi32(sum[0][r], w, xq0);
+                sum[1][r] = _mm512_dpbusd_epi32(sum[1][r], w, xq1);
             }
-            const __m512 scale = _mm512_loadu_ps(d + r * d_ld + i / GROUP);
-            acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum0), _mm512_mul_ps(scale, _mm512_loadu_ps(x0->scale + (c0 + i) / GROUP)), acc0);
-            acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum1), _mm512_mul_ps(scale, _mm512_loadu_ps(x1->scale + (c0 + i) / GROUP)), acc1);
         }
-        _mm512_storeu_ps(sums0->lanes[r], acc0);
-        _mm512_storeu_ps(sums1->lanes[r], acc1);
+        const int64_t g = (c0 + i) / GROUP;
+        const __m512 xs0 = _mm512_loadu_ps(x0->scale + g), xs1 = _mm512_loadu_ps(x1->scale + g);
+        const __m512 gs0 = _mm512_loadu_ps(x0->group_sum + g), gs1 = _mm512_loadu_ps(x1->group_sum + g);
+        for (int r = 0; r < TILE_ROWS; r++) {
+            const __m512 scale = _mm512_loadu_ps(d + r * d_ld + i / GROUP), offset = _mm512_loadu_ps(m + r * m_ld + g);
+            lanes[0][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[0][r]), _mm512_mul_ps(scale, xs0), lanes[0][r]);
+            lanes[1][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[1][r]), _mm512_mul_ps(scale, xs1), lanes[1][r]);
+            lanes[0][r] = _mm512_fmadd_ps(offset, gs0, lanes[0][r]);
+            lanes[1][r] = _mm512_fmadd_ps(offset, gs1, lanes[1][r]);
+        }
+    }
+    for (int r = 0; r < TILE_ROWS; r++) {
+        _mm512_storeu_ps(sums0->lanes[r], lanes[0][r]);
+        _mm512_storeu_ps(sums1->lanes[r], lanes[1][r]);
     }
 }
 #endif
 
-/* The sum of one row's lanes (see TileSums). */
+/* A row pair's result: the sum of its lanes (see TileSums). */
 static inline float lanes_total(const float *lanes) {
 #if defined(Q8_VNNI)
     return _mm512_reduce_add_ps(_mm512_loadu_ps(lanes));
@@ -578,7 +571,7 @@ static int decodes_tile(const int64_t *types, int64_t count) {
    each (activation row, weight row) pair keeps its running lanes in a TileSums between chunks. A
    single activation row (decode) skips the buffer where blocks_q8_decode.c has the tile's formats. */
 static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, float *y, int threads) {
-    const int64_t k = w->in_features, n_total = w->out_features, groups = k / GROUP;
+    const int64_t k = w->in_features, n_total = w->out_features;
     const int64_t tiles = (n_total + TILE_ROWS - 1) / TILE_ROWS;
     const size_t x_bytes = (activation_bytes(k) + 63) & ~(size_t)63;
     int64_t x_block = X_BLOCK_BYTES / (int64_t)x_bytes;
@@ -595,7 +588,8 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
     const int64_t d_ld = chunk / GROUP;
     /* per thread: codes, d and the whole rows' m for the tile, then the pairs' running sums */
     const size_t codes_bytes = (size_t)TILE_ROWS * chunk, d_bytes = (size_t)TILE_ROWS * d_ld * sizeof(float);
-    const size_t m_bytes = ((size_t)TILE_ROWS * groups * sizeof(float) + 63) & ~(size_t)63;
+    const int64_t m_ld = whole_spans(k) / GROUP; /* a row's offsets, zero past its groups */
+    const size_t m_bytes = ((size_t)TILE_ROWS * m_ld * sizeof(float) + 63) & ~(size_t)63;
     const size_t thread_bytes = codes_bytes + d_bytes + m_bytes + (size_t)x_block * sizeof(TileSums);
     uint8_t *activations = aligned_alloc(64, x_bytes * (size_t)x_block);
     uint8_t *scratch_all = aligned_alloc(64, thread_bytes * (size_t)threads);
@@ -633,10 +627,12 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
                     continue;
                 }
                 memset(sums, 0, (size_t)(m1 - m0) * sizeof(TileSums));
+                for (int64_t r = 0; r < TILE_ROWS; r++)
+                    for (int64_t g = k / GROUP; g < m_ld; g++) m[r * m_ld + g] = 0.0f;
                 for (int64_t c0 = 0; c0 < k; c0 += chunk) {
                     const int64_t len = k - c0 < chunk ? k - c0 : chunk;
                     for (int64_t r = 0; r < TILE_ROWS; r++) {
-                        const CodedRow coded = {codes + r * chunk, d + r * d_ld, m + r * groups + c0 / GROUP};
+                        const CodedRow coded = {codes + r * chunk, d + r * d_ld, m + r * m_ld + c0 / GROUP};
                         code_row(types[r], sources[r] + block_row_bytes(types[r], c0), len, coded);
                         to_lanes(coded.u, coded.d, len);
                     }
@@ -646,18 +642,17 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
 #if defined(Q8_VNNI)
                         if (row + 1 < m1) {
                             const CodedActivations next = activation_layout(activations + (size_t)(row + 1 - m0) * x_bytes, k);
-                            coded_tile_step_pair(&a, &next, c0, span_len, chunk, codes, d, &sums[row - m0], &sums[row + 1 - m0]);
+                            coded_tile_step_pair(&a, &next, c0, span_len, chunk, codes, d, m, m_ld, &sums[row - m0], &sums[row + 1 - m0]);
                             row++;
                             continue;
                         }
 #endif
-                        coded_tile_step(&a, c0, span_len, chunk, codes, d, types, &sums[row - m0]);
+                        coded_tile_step(&a, c0, span_len, chunk, codes, d, m, m_ld, types, &sums[row - m0]);
                     }
                 }
                 for (int64_t row = m0; row < m1; row++) {
-                    const CodedActivations a = activation_layout(activations + (size_t)(row - m0) * x_bytes, k);
                     for (int64_t r = 0; r < count; r++) {
-                        const float total = lanes_total(sums[row - m0].lanes[r]) + offset_term(m + r * groups, a.group_sum, groups);
+                        const float total = lanes_total(sums[row - m0].lanes[r]);
                         y[row * n_total + n0 + r] = w->bias ? total + w->bias[n0 + r] : total;
                     }
                 }

@@ -9,7 +9,7 @@ in registers and dotted at once.
 Bit-identical to the coded path: the codes, the integer group sums (formed from natural-order dot
 products instead of lane-layout ones: integer sums, so the same), each lane's scale (the same floats,
 moved by a permute instead of a store) and every float operation, in the same order, are those of
-code_row → to_lanes → coded_tile_step → lanes_total + offset_term. So a decode step gives
+code_row → to_lanes → coded_tile_step → lanes_total. So a decode step gives
 the logits a verify pass or a prompt would give for that row (batch independence), and the
 tests of the coded path hold for this one.
 */
@@ -22,7 +22,7 @@ tests of the coded path hold for this one.
    multiply-add with the group scales permuted to lane order. */
 static int decode_row_dot(int64_t type, const uint8_t *restrict row, int64_t k, const CodedActivations *x, float *out) {
     const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(3);
-    __m512 lanes = _mm512_setzero_ps(), offsets = _mm512_setzero_ps();
+    __m512 lanes = _mm512_setzero_ps();
     __m512i sums[4];
     switch (type) {
     case GGML_Q4_K: {
@@ -49,7 +49,7 @@ static int decode_row_dot(int64_t type, const uint8_t *restrict row, int64_t k, 
             }
             const __m512 scale = _mm512_mul_ps(_mm512_permutexvar_ps(lane_sub_block, scales), _mm512_loadu_ps(x->scale + 16 * b));
             lanes = _mm512_fmadd_ps(_mm512_cvtepi32_ps(group_sums(sums)), scale, lanes);
-            offsets = _mm512_fmadd_ps(_mm512_permutexvar_ps(group_offset, scales), _mm512_loadu_ps(x->group_sum + 16 * b), offsets);
+            lanes = _mm512_fmadd_ps(_mm512_permutexvar_ps(group_offset, scales), _mm512_loadu_ps(x->group_sum + 16 * b), lanes);
         }
         break;
     }
@@ -71,14 +71,14 @@ static int decode_row_dot(int64_t type, const uint8_t *restrict row, int64_t k, 
             }
             const __m512 scale = _mm512_mul_ps(_mm512_permutexvar_ps(LANE_GROUPS, group_scale), _mm512_loadu_ps(x->scale + 16 * b));
             lanes = _mm512_fmadd_ps(_mm512_cvtepi32_ps(group_sums(sums)), scale, lanes);
-            offsets = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(-32.0f), group_scale), _mm512_loadu_ps(x->group_sum + 16 * b), offsets);
+            lanes = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(-32.0f), group_scale), _mm512_loadu_ps(x->group_sum + 16 * b), lanes);
         }
         break;
     }
     default:
         return 0;
     }
-    *out = _mm512_reduce_add_ps(lanes) + _mm512_reduce_add_ps(offsets);
+    *out = _mm512_reduce_add_ps(lanes);
     return 1;
 }
 
@@ -86,9 +86,8 @@ static int has_decode_kernel(int64_t type) { return type == GGML_Q4_K || type ==
 
 #elif defined(Q8_AVX2)
 
-/* The same on AVX2, as code_row → coded_tile_step (AVX2) → lanes_total + offset_term computes it:
-   spans of 128 codes, four natural-order pieces of 32 (vpmaddubsw, vpmaddwd by ones) each; the
-   offsets 8 groups a step. */
+/* The same on AVX2, as code_row → coded_tile_step (AVX2) → lanes_total computes it: spans of 128
+   codes, four natural-order pieces of 32 (vpmaddubsw, vpmaddwd by ones) each. */
 static inline __m256i piece_sums(__m256i codes, const CodedActivations *x, int64_t i) {
     const __m256i pairs = _mm256_maddubs_epi16(codes, _mm256_loadu_si256((const __m256i *)(x->q + i)));
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
@@ -97,7 +96,7 @@ static inline __m256i piece_sums(__m256i codes, const CodedActivations *x, int64
 static int decode_row_dot(int64_t type, const uint8_t *restrict row, int64_t k, const CodedActivations *x, float *out) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
     const __m256i first = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), second = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
-    __m256 lanes = _mm256_setzero_ps(), offsets = _mm256_setzero_ps();
+    __m256 lanes = _mm256_setzero_ps();
     __m256i sums[4];
     switch (type) {
     case GGML_Q4_K:
@@ -122,9 +121,8 @@ static int decode_row_dot(int64_t type, const uint8_t *restrict row, int64_t k, 
                 const __m256i sub_block = _mm256_setr_epi32(4 * h, 4 * h + 1, 4 * h + 2, 4 * h + 3, 4 * h, 4 * h + 1, 4 * h + 2, 4 * h + 3);
                 const __m256 scale = _mm256_mul_ps(_mm256_permutevar8x32_ps(scales, sub_block), _mm256_loadu_ps(x->scale + 16 * b + 8 * h));
                 lanes = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sums(sums)), scale, lanes);
+                lanes = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(mins, h ? second : first), _mm256_loadu_ps(x->group_sum + 16 * b + 8 * h), lanes);
             }
-            offsets = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(mins, first), _mm256_loadu_ps(x->group_sum + 16 * b), offsets);
-            offsets = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(mins, second), _mm256_loadu_ps(x->group_sum + 16 * b + 8), offsets);
         }
         break;
     case GGML_Q6_K:
@@ -145,18 +143,17 @@ static int decode_row_dot(int64_t type, const uint8_t *restrict row, int64_t k, 
                 const __m256 lane_scale = _mm256_mul_ps(_mm256_permutevar8x32_ps(group_scale, LANE_GROUPS),
                                                         _mm256_loadu_ps(x->scale + 16 * b + 8 * half));
                 lanes = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sums(sums)), lane_scale, lanes);
-                offsets = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(-32.0f), group_scale),
-                                          _mm256_loadu_ps(x->group_sum + 16 * b + 8 * half), offsets);
+                lanes = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(-32.0f), group_scale),
+                                        _mm256_loadu_ps(x->group_sum + 16 * b + 8 * half), lanes);
             }
         }
         break;
     default:
         return 0;
     }
-    float lane_values[8], offset_values[8];
+    float lane_values[8];
     _mm256_storeu_ps(lane_values, lanes);
-    _mm256_storeu_ps(offset_values, offsets);
-    *out = lanes_total(lane_values) + lanes_total(offset_values);
+    *out = lanes_total(lane_values);
     return 1;
 }
 
