@@ -454,25 +454,29 @@ static void coded_tile_step(const CodedActivations *x, int64_t c0, int64_t len, 
        6-bit codes, no saturation) then vpmaddwd by ones: lanes of four codes' sums. Q8_0 rows hold
        signed int8 values (see simd_code_row): |w| times x with w's sign (vpsignb), at most 2·128·127. */
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int r = 0; r < TILE_ROWS; r++) {
-        const int signed_codes = types[r] == GGML_Q8_0;
-        __m256 lanes = _mm256_loadu_ps(sums->lanes[r]);
-        for (int64_t i = 0; i < len; i += SPAN) {
-            __m256i sum = _mm256_setzero_si256();
-            for (int s = 0; s < 4; s++) {
+    __m256 lanes[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; r++) lanes[r] = _mm256_loadu_ps(sums->lanes[r]);
+    for (int64_t i = 0; i < len; i += SPAN) { /* the four rows together: each activation vector loaded once */
+        __m256i sum[TILE_ROWS];
+        for (int r = 0; r < TILE_ROWS; r++) sum[r] = _mm256_setzero_si256();
+        for (int s = 0; s < 4; s++) {
+            const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->lanes + c0 + i + 32 * s));
+            for (int r = 0; r < TILE_ROWS; r++) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(u + r * chunk + i + 32 * s));
-                const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->lanes + c0 + i + 32 * s));
-                const __m256i pairs = signed_codes ? _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xq, w))
-                                                   : _mm256_maddubs_epi16(w, xq);
-                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
+                const __m256i pairs = types[r] == GGML_Q8_0 ? _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xq, w))
+                                                            : _mm256_maddubs_epi16(w, xq);
+                sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(pairs, ones));
             }
-            const int64_t g = (c0 + i) / GROUP;
-            const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(d + r * d_ld + i / GROUP), _mm256_loadu_ps(x->scale + g));
-            lanes = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, lanes);
-            lanes = _mm256_fmadd_ps(_mm256_loadu_ps(m + r * m_ld + g), _mm256_loadu_ps(x->group_sum + g), lanes);
         }
-        _mm256_storeu_ps(sums->lanes[r], lanes);
+        const int64_t g = (c0 + i) / GROUP;
+        const __m256 xs = _mm256_loadu_ps(x->scale + g), gs = _mm256_loadu_ps(x->group_sum + g);
+        for (int r = 0; r < TILE_ROWS; r++) {
+            const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(d + r * d_ld + i / GROUP), xs);
+            lanes[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), scale, lanes[r]);
+            lanes[r] = _mm256_fmadd_ps(_mm256_loadu_ps(m + r * m_ld + g), gs, lanes[r]);
+        }
     }
+    for (int r = 0; r < TILE_ROWS; r++) _mm256_storeu_ps(sums->lanes[r], lanes[r]);
 #else
     for (int r = 0; r < TILE_ROWS; r++) {
         float lanes = sums->lanes[r][0];
