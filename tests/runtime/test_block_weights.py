@@ -117,16 +117,20 @@ def test_activation_bits_other_than_32_or_8_are_refused():
         BlockProjection([tensor], [None], activation_bits=4)
 
 
+# 3,072 columns: prompts of 16+ rows code them in pieces (blocks_q8.c), decode rows whole;
+# 800: the last span of 256 (128 on AVX2) columns is short. 18 rows each: some tiles of four rows
+# mix two formats (Q5_1 has no decode kernel of its own, blocks_q8_decode.c).
+@pytest.mark.parametrize(
+    ("columns", "names"),
+    [(3072, ("Q4_K", "Q6_K", "Q8_0", "Q4_1", "Q5_0")), (800, ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"))],
+)
 @pytest.mark.parametrize("bits", [32, 8])
-def test_each_row_is_the_same_bits_whatever_its_batch_and_threads(bits):
+def test_each_row_is_the_same_bits_whatever_its_batch_and_threads(bits, columns, names):
     """Decode (1 row), verify (a few) and prompt (many, several activation blocks) rows of the same
     input give identical outputs, at 1 and 2 threads: the contract speculation relies on."""
-    names = ("Q4_K", "Q6_K", "Q8_0", "Q4_1", "Q5_0")
-    # 3,072 columns: prompts of 16+ rows code them in pieces (blocks_q8.c), decode rows whole
-    # 18 rows each: some tiles of four rows mix two formats (one with a decode kernel, one without)
-    parts = [random_tensor(name, 18, 3072, seed=i)[0] for i, name in enumerate(names)]
+    parts = [random_tensor(name, 18, columns, seed=i)[0] for i, name in enumerate(names)]
     projection = BlockProjection(parts, [None] * len(parts), activation_bits=bits)
-    x = torch.randn(300, 3072, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(300, columns, generator=torch.Generator().manual_seed(3))
     together = projection(x)
     threads = torch.get_num_threads()
     try:

@@ -1,7 +1,7 @@
 /* One activation row times the file's rows, straight from the blocks (included by blocks_q8.c).
 
-What this file owns: the decode step's product (a single activation row) for the formats that
-carry most of a K-quant model's bytes, Q4_K and Q6_K, on AVX-512 VNNI and on AVX2. coded_matmul codes four
+What this file owns: the decode step's product (a single activation row) for Q4_0, Q4_1, Q5_0,
+Q8_0, Q4_K and Q6_K (every format of the catalogue's files), on AVX-512 VNNI and on AVX2. coded_matmul codes four
 weight rows into a buffer and then dots them; with one activation row each code is used once, so
 storing and reloading the codes costs as much as the dot itself. Here each 64 codes are unpacked
 in registers and dotted at once.
@@ -13,6 +13,69 @@ code_row → to_lanes → coded_tile_step → lanes_total. So a decode step give
 the logits a verify pass or a prompt would give for that row (batch independence), and the
 tests of the coded path hold for this one.
 */
+
+#if defined(Q8_VNNI) || defined(Q8_AVX2)
+
+/* The formats of blocks of 32 (Q4_0, Q4_1, Q5_0, Q8_0): bytes per block, and one block's 32 codes
+   and its d and m exactly as simd_code_row makes them. */
+static int64_t small_block_bytes(int64_t type) {
+    switch (type) {
+    case GGML_Q4_0: return 18;
+    case GGML_Q4_1: return 20;
+    case GGML_Q5_0: return 22;
+    case GGML_Q8_0: return 34;
+    default: return 0;
+    }
+}
+
+static inline __m256i small_block_codes(int64_t type, const uint8_t *block) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    switch (type) {
+    case GGML_Q4_0:
+    case GGML_Q4_1: {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + (type == GGML_Q4_0 ? 2 : 4)));
+        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), _mm_and_si128(bytes, low4));
+    }
+    case GGML_Q5_0: {
+        uint32_t qh;
+        memcpy(&qh, block + 2, 4);
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 6));
+        return _mm256_set_m128i(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), fifth_bits(qh, 16)),
+                                _mm_or_si128(_mm_and_si128(bytes, low4), fifth_bits(qh, 0)));
+    }
+    default: { /* Q8_0 */
+        const __m256i bytes = _mm256_loadu_si256((const __m256i *)(block + 2));
+#if defined(Q8_AVX2)
+        return bytes;
+#else
+        return _mm256_xor_si256(bytes, _mm256_set1_epi8((char)0x80));
+#endif
+    }
+    }
+}
+
+/* d and m of `count` blocks of 32 from `row`, one per group (two per block), zero past them. */
+static inline void small_block_scales(int64_t type, const uint8_t *row, int count, float *d, float *m) {
+    const int64_t bytes = small_block_bytes(type);
+    for (int j = 0; j < count; j++, row += bytes) {
+        const float scale = half_at(row);
+        float offset;
+        switch (type) {
+        case GGML_Q4_0: offset = -8.0f * scale; break;
+        case GGML_Q4_1: offset = half_at(row + 2); break;
+        case GGML_Q5_0: offset = -16.0f * scale; break;
+#if defined(Q8_AVX2)
+        default: offset = 0.0f; break;
+#else
+        default: offset = -128.0f * scale; break;
+#endif
+        }
+        d[2 * j] = d[2 * j + 1] = scale;
+        m[2 * j] = m[2 * j + 1] = offset;
+    }
+}
+
+#endif
 
 #if defined(Q8_VNNI)
 
@@ -75,6 +138,31 @@ static int decode_row_dot(int64_t type, const uint8_t *restrict row, int64_t k, 
         }
         break;
     }
+    case GGML_Q4_0:
+    case GGML_Q4_1:
+    case GGML_Q5_0:
+    case GGML_Q8_0: { /* spans of 8 blocks, the last one short when k is not a multiple of 256 */
+        const int64_t bytes = small_block_bytes(type);
+        for (int64_t c = 0; c < k; c += 256, row += 8 * bytes) {
+            const int count = k - c >= 256 ? 8 : (int)((k - c) / 32);
+            for (int p = 0; p < 4; p++) {
+                if (2 * p >= count) {
+                    sums[p] = _mm512_setzero_si512();
+                    continue;
+                }
+                const __m256i second = 2 * p + 1 < count ? small_block_codes(type, row + (2 * p + 1) * bytes) : _mm256_setzero_si256();
+                const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(small_block_codes(type, row + 2 * p * bytes)), second, 1);
+                sums[p] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(x->q + c + 64 * p));
+            }
+            float d[16] = {0}, m[16] = {0};
+            small_block_scales(type, row, count, d, m);
+            const int64_t g = c / GROUP;
+            const __m512 scale = _mm512_mul_ps(_mm512_permutexvar_ps(LANE_GROUPS, _mm512_loadu_ps(d)), _mm512_loadu_ps(x->scale + g));
+            lanes = _mm512_fmadd_ps(_mm512_cvtepi32_ps(group_sums(sums)), scale, lanes);
+            lanes = _mm512_fmadd_ps(_mm512_loadu_ps(m), _mm512_loadu_ps(x->group_sum + g), lanes);
+        }
+        break;
+    }
     default:
         return 0;
     }
@@ -82,7 +170,7 @@ static int decode_row_dot(int64_t type, const uint8_t *restrict row, int64_t k, 
     return 1;
 }
 
-static int has_decode_kernel(int64_t type) { return type == GGML_Q4_K || type == GGML_Q6_K; }
+static int has_decode_kernel(int64_t type) { return type == GGML_Q4_K || type == GGML_Q6_K || small_block_bytes(type) > 0; }
 
 #elif defined(Q8_AVX2)
 
@@ -148,6 +236,35 @@ static int decode_row_dot(int64_t type, const uint8_t *restrict row, int64_t k, 
             }
         }
         break;
+    case GGML_Q4_0:
+    case GGML_Q4_1:
+    case GGML_Q5_0:
+    case GGML_Q8_0: { /* spans of 4 blocks, the last one short when k is not a multiple of 128 */
+        const int64_t bytes = small_block_bytes(type);
+        for (int64_t c = 0; c < k; c += 128, row += 4 * bytes) {
+            const int count = k - c >= 128 ? 4 : (int)((k - c) / 32);
+            for (int t = 0; t < 4; t++) {
+                if (t >= count) {
+                    sums[t] = _mm256_setzero_si256();
+                    continue;
+                }
+                const __m256i w = small_block_codes(type, row + t * bytes);
+                if (type == GGML_Q8_0) { /* signed, as coded_tile_step takes Q8_0 rows */
+                    const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + c + 32 * t));
+                    sums[t] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xq, w)), _mm256_set1_epi16(1));
+                } else {
+                    sums[t] = piece_sums(w, x, c + 32 * t);
+                }
+            }
+            float d[8] = {0}, m[8] = {0};
+            small_block_scales(type, row, count, d, m);
+            const int64_t g = c / GROUP;
+            const __m256 scale = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(d), LANE_GROUPS), _mm256_loadu_ps(x->scale + g));
+            lanes = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sums(sums)), scale, lanes);
+            lanes = _mm256_fmadd_ps(_mm256_loadu_ps(m), _mm256_loadu_ps(x->group_sum + g), lanes);
+        }
+        break;
+    }
     default:
         return 0;
     }
@@ -157,7 +274,7 @@ static int decode_row_dot(int64_t type, const uint8_t *restrict row, int64_t k, 
     return 1;
 }
 
-static int has_decode_kernel(int64_t type) { return type == GGML_Q4_K || type == GGML_Q6_K; }
+static int has_decode_kernel(int64_t type) { return type == GGML_Q4_K || type == GGML_Q6_K || small_block_bytes(type) > 0; }
 
 #else
 
