@@ -623,11 +623,9 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
                     sources[r] = source_row(w, n0 + (r < count ? r : 0), &types[r]);
                 if (rows == 1 && decodes_tile(types, count)) { /* the same numbers, without the codes' round trip */
                     const CodedActivations a = activation_layout(activations, k);
-                    for (int64_t r = 0; r < count; r++) {
-                        float total;
-                        decode_row_dot(types[r], sources[r], k, &a, &total);
-                        y[n0 + r] = w->bias ? total + w->bias[n0 + r] : total;
-                    }
+                    float totals[TILE_ROWS];
+                    decode_tile(types, sources, count, k, &a, totals);
+                    for (int64_t r = 0; r < count; r++) y[n0 + r] = w->bias ? totals[r] + w->bias[n0 + r] : totals[r];
                     continue;
                 }
                 memset(sums, 0, (size_t)(m1 - m0) * sizeof(TileSums));

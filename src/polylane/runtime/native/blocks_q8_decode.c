@@ -54,238 +54,292 @@ static inline __m256i small_block_codes(int64_t type, const uint8_t *block) {
     }
 }
 
-/* d and m of `count` blocks of 32 from `row`, one per group (two per block), zero past them. */
-static inline void small_block_scales(int64_t type, const uint8_t *row, int count, float *d, float *m) {
-    const int64_t bytes = small_block_bytes(type);
-    for (int j = 0; j < count; j++, row += bytes) {
-        const float scale = half_at(row);
-        float offset;
-        switch (type) {
-        case GGML_Q4_0: offset = -8.0f * scale; break;
-        case GGML_Q4_1: offset = half_at(row + 2); break;
-        case GGML_Q5_0: offset = -16.0f * scale; break;
+static inline uint16_t half_bits(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return h;
+}
+
+/* The halves at `offset` in `count` (≤ 8) consecutive blocks of `bytes` as floats, zero past them
+   (built in registers: a round trip through memory stalls store forwarding on every span). */
+static inline __m256 small_block_halves(const uint8_t *row, int64_t bytes, int count, int offset) {
+#define HALF(j) ((j) < count ? half_bits(row + (j) * bytes + offset) : 0)
+    return _mm256_cvtph_ps(_mm_setr_epi16(HALF(0), HALF(1), HALF(2), HALF(3), HALF(4), HALF(5), HALF(6), HALF(7)));
+#undef HALF
+}
+
+/* The blocks' d (from `row`, `count` of them) and their m, as simd_code_row makes them: one float
+   per block, zero past them (the caller masks m where −0 could arise). */
+static inline __m256 small_block_offsets(int64_t type, const uint8_t *row, int count, __m256 d) {
+    switch (type) {
+    case GGML_Q4_0: return _mm256_mul_ps(_mm256_set1_ps(-8.0f), d);
+    case GGML_Q4_1: return small_block_halves(row, 20, count, 2);
+    case GGML_Q5_0: return _mm256_mul_ps(_mm256_set1_ps(-16.0f), d);
 #if defined(Q8_AVX2)
-        default: offset = 0.0f; break;
+    default: return _mm256_setzero_ps();
 #else
-        default: offset = -128.0f * scale; break;
+    default: return _mm256_mul_ps(_mm256_set1_ps(-128.0f), d);
 #endif
-        }
-        d[2 * j] = d[2 * j + 1] = scale;
-        m[2 * j] = m[2 * j + 1] = offset;
     }
 }
 
+#endif
+
+#if defined(Q8_VNNI) || defined(Q8_AVX2)
+/* A Q4_K/Q5_K super-block's 8 sub-block scales (d·sc) and 8 offsets (−dmin·mn), unpacked as
+   k4_group_scales does: the 16 bytes of 6-bit values. */
+static inline __m128i k4_scale_bytes(const uint8_t *block) {
+    uint32_t a, b, c; /* built in registers: a round trip through memory stalls store forwarding */
+    memcpy(&a, block + 4, 4);
+    memcpy(&b, block + 8, 4);
+    memcpy(&c, block + 12, 4);
+    return _mm_setr_epi32((int)(a & 0x3f3f3f3f), (int)((c & 0x0f0f0f0f) | (((a >> 6) & 0x03030303) << 4)), (int)(b & 0x3f3f3f3f),
+                          (int)(((c >> 4) & 0x0f0f0f0f) | (((b >> 6) & 0x03030303) << 4)));
+}
 #endif
 
 #if defined(Q8_VNNI)
 
-/* x·w for one weight row of `type` (k columns) and one coded activation row; 0 when the format has
-   no kernel here (the caller takes the coded path). Per super-block (one span): four natural-order
-   dot products of 64 codes, their group sums in lane order (group_sums), then the coded path's
-   multiply-add with the group scales permuted to lane order. */
-static int decode_row_dot(int64_t type, const uint8_t *restrict row, int64_t k, const CodedActivations *x, float *out) {
-    const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(3);
-    __m512 lanes = _mm512_setzero_ps();
+#define DECODE_LANES __m512
+
+/* One span (256 codes from column c) of a row of `type` dotted with the activation row, added to
+   `lanes`: four natural-order dot products of 64 codes, their group sums in lane order
+   (group_sums), then the coded path's two multiply-adds with the scales permuted to lane order. */
+static inline __attribute__((always_inline)) __m512 decode_span(int64_t type, const uint8_t *row, int64_t c, int64_t k, const CodedActivations *x, __m512 lanes) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    const int64_t g = c / GROUP;
     __m512i sums[4];
-    switch (type) {
-    case GGML_Q4_K: {
+    __m512 scale, offset;
+    if (type == GGML_Q4_K) {
+        const uint8_t *block = row + c / 256 * 144;
         /* 16-bit shift counts: 0 for the low 32 bytes (low nibbles), 4 for the high 32 */
         const __m512i nibble_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-        /* the block's 16 scale floats hold sub-block scales in 0–7 and offsets in 8–15; lane n's
-           group is LANE_GROUPS[n], its sub-block half that */
-        const __m512i lane_sub_block = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7);
-        const __m512i group_offset = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
-        for (int64_t b = 0; b < k / 256; b++, row += 144) {
-            uint32_t words[4]; /* as k4_group_scales */
-            memcpy(words, row + 4, 12);
-            words[3] = ((words[2] >> 4) & 0x0f0f0f0f) | (((words[1] >> 6) & 0x03030303) << 4);
-            const uint32_t mins_low = words[1] & 0x3f3f3f3f;
-            words[1] = (words[2] & 0x0f0f0f0f) | (((words[0] >> 6) & 0x03030303) << 4);
-            words[2] = mins_low;
-            words[0] &= 0x3f3f3f3f;
-            const __m512 factors = _mm512_insertf32x8(_mm512_set1_ps(half_at(row)), _mm256_set1_ps(-half_at(row + 2)), 1);
-            const __m512 scales = _mm512_mul_ps(factors, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)words))));
-            for (int p = 0; p < 4; p++) {
-                const __m512i packed = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(row + 16 + 32 * p)));
-                const __m512i codes = _mm512_and_si512(_mm512_srlv_epi16(packed, nibble_shift), low4);
-                sums[p] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(x->q + 256 * b + 64 * p));
-            }
-            const __m512 scale = _mm512_mul_ps(_mm512_permutexvar_ps(lane_sub_block, scales), _mm512_loadu_ps(x->scale + 16 * b));
-            lanes = _mm512_fmadd_ps(_mm512_cvtepi32_ps(group_sums(sums)), scale, lanes);
-            lanes = _mm512_fmadd_ps(_mm512_permutexvar_ps(group_offset, scales), _mm512_loadu_ps(x->group_sum + 16 * b), lanes);
+        for (int p = 0; p < 4; p++) {
+            const __m512i packed = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(block + 16 + 32 * p)));
+            sums[p] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(_mm512_srlv_epi16(packed, nibble_shift), low4),
+                                          _mm512_loadu_si512(x->q + c + 64 * p));
         }
-        break;
-    }
-    case GGML_Q6_K: {
+        /* 16 floats: sub-block scales in 0–7, offsets in 8–15; lane n's group is LANE_GROUPS[n] */
+        const __m512 factors = _mm512_insertf32x8(_mm512_set1_ps(half_at(block)), _mm256_set1_ps(-half_at(block + 2)), 1);
+        const __m512 scales = _mm512_mul_ps(factors, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k4_scale_bytes(block))));
+        scale = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7), scales);
+        offset = _mm512_permutexvar_ps(_mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15), scales);
+    } else if (type == GGML_Q6_K) {
+        const uint8_t *block = row + c / 256 * 210;
         /* high-bit shifts per 32 bytes: chunk 0 of a half takes bits 0–1 then 2–3, chunk 1 bits 4–5 then 6–7 */
         const __m512i high_shift[2] = {_mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1),
                                        _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1)};
-        for (int64_t b = 0; b < k / 256; b++, row += 210) {
-            const __m512 group_scale = _mm512_mul_ps(_mm512_set1_ps(half_at(row + 208)),
-                                                     _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 192)))));
-            for (int c = 0; c < 4; c++) { /* chunk c: groups 4c..4c+3, from half c / 2 */
-                const uint8_t *ql = row + 64 * (c / 2), *qh = row + 128 + 32 * (c / 2);
-                const __m512i low_bytes = _mm512_loadu_si512(ql);
-                const __m512i low = _mm512_and_si512(c % 2 ? _mm512_srli_epi16(low_bytes, 4) : low_bytes, low4);
-                const __m512i high = _mm512_and_si512(
-                    _mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qh)), high_shift[c % 2]), low2);
-                const __m512i codes = _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
-                sums[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(x->q + 256 * b + 64 * c));
-            }
-            const __m512 scale = _mm512_mul_ps(_mm512_permutexvar_ps(LANE_GROUPS, group_scale), _mm512_loadu_ps(x->scale + 16 * b));
-            lanes = _mm512_fmadd_ps(_mm512_cvtepi32_ps(group_sums(sums)), scale, lanes);
-            lanes = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(-32.0f), group_scale), _mm512_loadu_ps(x->group_sum + 16 * b), lanes);
+        for (int p = 0; p < 4; p++) { /* chunk p: groups 4p..4p+3, from half p / 2 */
+            const uint8_t *ql = block + 64 * (p / 2), *qh = block + 128 + 32 * (p / 2);
+            const __m512i low_bytes = _mm512_loadu_si512(ql);
+            const __m512i low = _mm512_and_si512(p % 2 ? _mm512_srli_epi16(low_bytes, 4) : low_bytes, low4);
+            const __m512i high = _mm512_and_si512(
+                _mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qh)), high_shift[p % 2]), _mm512_set1_epi8(3));
+            sums[p] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_or_si512(low, _mm512_slli_epi16(high, 4)),
+                                          _mm512_loadu_si512(x->q + c + 64 * p));
         }
-        break;
-    }
-    case GGML_Q4_0:
-    case GGML_Q4_1:
-    case GGML_Q5_0:
-    case GGML_Q8_0: { /* spans of 8 blocks, the last one short when k is not a multiple of 256 */
+        const __m512 group_scale = _mm512_mul_ps(_mm512_set1_ps(half_at(block + 208)),
+                                                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 192)))));
+        scale = _mm512_permutexvar_ps(LANE_GROUPS, group_scale);
+        offset = _mm512_mul_ps(_mm512_set1_ps(-32.0f), group_scale);
+    } else { /* blocks of 32: 8 to a span, the last span short when k is not a multiple of 256 */
         const int64_t bytes = small_block_bytes(type);
-        for (int64_t c = 0; c < k; c += 256, row += 8 * bytes) {
-            const int count = k - c >= 256 ? 8 : (int)((k - c) / 32);
-            for (int p = 0; p < 4; p++) {
-                if (2 * p >= count) {
-                    sums[p] = _mm512_setzero_si512();
-                    continue;
-                }
-                const __m256i second = 2 * p + 1 < count ? small_block_codes(type, row + (2 * p + 1) * bytes) : _mm256_setzero_si256();
-                const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(small_block_codes(type, row + 2 * p * bytes)), second, 1);
-                sums[p] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(x->q + c + 64 * p));
+        const uint8_t *block = row + c / 32 * bytes;
+        const int count = k - c >= 256 ? 8 : (int)((k - c) / 32);
+        for (int p = 0; p < 4; p++) {
+            if (2 * p >= count) {
+                sums[p] = _mm512_setzero_si512();
+                continue;
             }
-            float d[16] = {0}, m[16] = {0};
-            small_block_scales(type, row, count, d, m);
-            const int64_t g = c / GROUP;
-            const __m512 scale = _mm512_mul_ps(_mm512_permutexvar_ps(LANE_GROUPS, _mm512_loadu_ps(d)), _mm512_loadu_ps(x->scale + g));
-            lanes = _mm512_fmadd_ps(_mm512_cvtepi32_ps(group_sums(sums)), scale, lanes);
-            lanes = _mm512_fmadd_ps(_mm512_loadu_ps(m), _mm512_loadu_ps(x->group_sum + g), lanes);
+            const uint8_t *first = block + 2 * p * bytes, *second = first + bytes;
+            const int both = 2 * p + 1 < count;
+            __m512i codes;
+            if (type == GGML_Q8_0) {
+                const __m256i high = both ? _mm256_loadu_si256((const __m256i *)(second + 2)) : _mm256_set1_epi8((char)0x80);
+                codes = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(first + 2))), high, 1),
+                                         _mm512_set1_epi8((char)0x80));
+            } else { /* the two blocks' 16 nibble bytes, each twice: [first, first, second, second] */
+                const int nibbles = type == GGML_Q4_1 ? 4 : type == GGML_Q5_0 ? 6 : 2;
+                const __m512i doubled = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(first + nibbles))),
+                                                                    both ? (__mmask16)0xFF00 : 0,
+                                                                    _mm_loadu_si128((const __m128i *)(both ? second + nibbles : first + nibbles)));
+                const __m512i nibble_shift = _mm512_setr_epi64(0, 0, 0x0004000400040004, 0x0004000400040004, 0, 0, 0x0004000400040004, 0x0004000400040004);
+                codes = _mm512_and_si512(_mm512_srlv_epi16(doubled, nibble_shift), low4);
+                if (type == GGML_Q5_0) { /* the fifth bits: bit j of a block's qh is its code j's */
+                    uint32_t high_first, high_second = 0;
+                    memcpy(&high_first, first + 2, 4);
+                    if (both) memcpy(&high_second, second + 2, 4);
+                    codes = _mm512_mask_or_epi32(codes, 0xFFFF, codes,
+                                                 _mm512_maskz_mov_epi8(((__mmask64)high_second << 32) | high_first, _mm512_set1_epi8(0x10)));
+                }
+                if (!both) codes = _mm512_maskz_mov_epi8(0x00000000FFFFFFFFull, codes);
+            }
+            sums[p] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(x->q + c + 64 * p));
         }
-        break;
+        /* each block's first 32-bit word: d in its low half (Q4_1: m in its high half) */
+        const __m256i words = _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), (__mmask8)((1u << count) - 1),
+                                                           _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)bytes)),
+                                                           (const int *)block, 1);
+        const __m256 d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(words));
+        const __m256 m = type == GGML_Q4_1 ? _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(words, 16)))
+                                           : small_block_offsets(type, block, count, d);
+        /* the block of lane n's group (LANE_GROUPS[n] / 2), and of each group in natural order */
+        scale = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7), _mm512_castps256_ps512(d));
+        offset = _mm512_maskz_permutexvar_ps((__mmask16)((1u << (2 * count)) - 1),
+                                             _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm512_castps256_ps512(m));
     }
-    default:
-        return 0;
-    }
-    *out = _mm512_reduce_add_ps(lanes);
-    return 1;
+    lanes = _mm512_fmadd_ps(_mm512_cvtepi32_ps(group_sums(sums)), _mm512_mul_ps(scale, _mm512_loadu_ps(x->scale + g)), lanes);
+    return _mm512_fmadd_ps(offset, _mm512_loadu_ps(x->group_sum + g), lanes);
 }
 
-static int has_decode_kernel(int64_t type) { return type == GGML_Q4_K || type == GGML_Q6_K || small_block_bytes(type) > 0; }
+static inline float decode_total(__m512 lanes) { return _mm512_reduce_add_ps(lanes); }
 
 #elif defined(Q8_AVX2)
 
-/* The same on AVX2, as code_row → coded_tile_step (AVX2) → lanes_total computes it: spans of 128
-   codes, four natural-order pieces of 32 (vpmaddubsw, vpmaddwd by ones) each. */
+#define DECODE_LANES __m256
+
+/* The four natural-order pieces of 32 codes of an AVX2 span (vpmaddubsw, vpmaddwd by ones). */
 static inline __m256i piece_sums(__m256i codes, const CodedActivations *x, int64_t i) {
     const __m256i pairs = _mm256_maddubs_epi16(codes, _mm256_loadu_si256((const __m256i *)(x->q + i)));
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-static int decode_row_dot(int64_t type, const uint8_t *restrict row, int64_t k, const CodedActivations *x, float *out) {
+/* One span (128 codes from column c) as on VNNI, with AVX2's pieces. */
+static inline __attribute__((always_inline)) __m256 decode_span(int64_t type, const uint8_t *row, int64_t c, int64_t k, const CodedActivations *x, __m256 lanes) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
-    const __m256i first = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), second = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
-    __m256 lanes = _mm256_setzero_ps();
+    const int64_t g = c / GROUP;
     __m256i sums[4];
-    switch (type) {
-    case GGML_Q4_K:
-        for (int64_t b = 0; b < k / 256; b++, row += 144) {
-            uint32_t words[4]; /* as k4_group_scales */
-            memcpy(words, row + 4, 12);
-            words[3] = ((words[2] >> 4) & 0x0f0f0f0f) | (((words[1] >> 6) & 0x03030303) << 4);
-            const uint32_t mins_low = words[1] & 0x3f3f3f3f;
-            words[1] = (words[2] & 0x0f0f0f0f) | (((words[0] >> 6) & 0x03030303) << 4);
-            words[2] = mins_low;
-            words[0] &= 0x3f3f3f3f;
-            const __m128i packed = _mm_loadu_si128((const __m128i *)words);
-            const __m256 scales = _mm256_mul_ps(_mm256_set1_ps(half_at(row)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
-            const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(-half_at(row + 2)),
-                                              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
-            for (int h = 0; h < 2; h++) { /* span h: sub-blocks 4h..4h+3; lane n's sub-block 4h + n % 4 */
-                for (int p = 0; p < 2; p++) {
-                    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(row + 16 + 64 * h + 32 * p));
-                    sums[2 * p] = piece_sums(_mm256_and_si256(bytes, low4), x, 256 * b + 128 * h + 64 * p);
-                    sums[2 * p + 1] = piece_sums(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4), x, 256 * b + 128 * h + 64 * p + 32);
-                }
-                const __m256i sub_block = _mm256_setr_epi32(4 * h, 4 * h + 1, 4 * h + 2, 4 * h + 3, 4 * h, 4 * h + 1, 4 * h + 2, 4 * h + 3);
-                const __m256 scale = _mm256_mul_ps(_mm256_permutevar8x32_ps(scales, sub_block), _mm256_loadu_ps(x->scale + 16 * b + 8 * h));
-                lanes = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sums(sums)), scale, lanes);
-                lanes = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(mins, h ? second : first), _mm256_loadu_ps(x->group_sum + 16 * b + 8 * h), lanes);
-            }
+    __m256 scale, offset;
+    if (type == GGML_Q4_K) { /* span h = (c / 128) % 2 of the super-block: sub-blocks 4h..4h+3 */
+        const uint8_t *block = row + c / 256 * 144;
+        const int h = (int)(c / 128 % 2);
+        for (int p = 0; p < 2; p++) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(block + 16 + 64 * h + 32 * p));
+            sums[2 * p] = piece_sums(_mm256_and_si256(bytes, low4), x, c + 64 * p);
+            sums[2 * p + 1] = piece_sums(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4), x, c + 64 * p + 32);
         }
-        break;
-    case GGML_Q6_K:
-        for (int64_t b = 0; b < k / 256; b++, row += 210) {
-            const float scale = half_at(row + 208);
-            for (int half = 0; half < 2; half++) { /* one span */
-                const uint8_t *ql = row + 64 * half, *qh = row + 128 + 32 * half;
-                const __m256 group_scale = _mm256_mul_ps(
-                    _mm256_set1_ps(scale), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + 192 + 8 * half)))));
-                const __m256i low_a = _mm256_loadu_si256((const __m256i *)ql), low_b = _mm256_loadu_si256((const __m256i *)(ql + 32));
-                const __m256i high = _mm256_loadu_si256((const __m256i *)qh);
-                for (int q = 0; q < 4; q++) { /* as simd_code_row */
-                    const __m256i low = q & 1 ? low_b : low_a;
-                    const __m256i nibble = _mm256_and_si256(q < 2 ? low : _mm256_srli_epi16(low, 4), low4);
-                    const __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * q)), low2), 4);
-                    sums[q] = piece_sums(_mm256_or_si256(nibble, top), x, 256 * b + 128 * half + 32 * q);
-                }
-                const __m256 lane_scale = _mm256_mul_ps(_mm256_permutevar8x32_ps(group_scale, LANE_GROUPS),
-                                                        _mm256_loadu_ps(x->scale + 16 * b + 8 * half));
-                lanes = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sums(sums)), lane_scale, lanes);
-                lanes = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(-32.0f), group_scale),
-                                        _mm256_loadu_ps(x->group_sum + 16 * b + 8 * half), lanes);
-            }
+        const __m128i packed = k4_scale_bytes(block);
+        const __m256 scales = _mm256_mul_ps(_mm256_set1_ps(half_at(block)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
+        const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(-half_at(block + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
+        /* lane n's sub-block 4h + n % 4; group j's 4h + j / 2 */
+        scale = _mm256_permutevar8x32_ps(scales, _mm256_add_epi32(_mm256_set1_epi32(4 * h), _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3)));
+        offset = _mm256_permutevar8x32_ps(mins, _mm256_add_epi32(_mm256_set1_epi32(4 * h), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)));
+    } else if (type == GGML_Q6_K) { /* one half of the super-block */
+        const uint8_t *block = row + c / 256 * 210;
+        const int half = (int)(c / 128 % 2);
+        const uint8_t *ql = block + 64 * half, *qh = block + 128 + 32 * half;
+        const __m256i low_a = _mm256_loadu_si256((const __m256i *)ql), low_b = _mm256_loadu_si256((const __m256i *)(ql + 32));
+        const __m256i high = _mm256_loadu_si256((const __m256i *)qh);
+        for (int q = 0; q < 4; q++) { /* as simd_code_row */
+            const __m256i low = q & 1 ? low_b : low_a;
+            const __m256i nibble = _mm256_and_si256(q < 2 ? low : _mm256_srli_epi16(low, 4), low4);
+            const __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * q)), low2), 4);
+            sums[q] = piece_sums(_mm256_or_si256(nibble, top), x, c + 32 * q);
         }
-        break;
-    case GGML_Q4_0:
-    case GGML_Q4_1:
-    case GGML_Q5_0:
-    case GGML_Q8_0: { /* spans of 4 blocks, the last one short when k is not a multiple of 128 */
+        const __m256 group_scale = _mm256_mul_ps(
+            _mm256_set1_ps(half_at(block + 208)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(block + 192 + 8 * half)))));
+        scale = _mm256_permutevar8x32_ps(group_scale, LANE_GROUPS);
+        offset = _mm256_mul_ps(_mm256_set1_ps(-32.0f), group_scale);
+    } else { /* blocks of 32: 4 to a span, the last span short when k is not a multiple of 128 */
         const int64_t bytes = small_block_bytes(type);
-        for (int64_t c = 0; c < k; c += 128, row += 4 * bytes) {
-            const int count = k - c >= 128 ? 4 : (int)((k - c) / 32);
-            for (int t = 0; t < 4; t++) {
-                if (t >= count) {
-                    sums[t] = _mm256_setzero_si256();
-                    continue;
-                }
-                const __m256i w = small_block_codes(type, row + t * bytes);
-                if (type == GGML_Q8_0) { /* signed, as coded_tile_step takes Q8_0 rows */
-                    const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + c + 32 * t));
-                    sums[t] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xq, w)), _mm256_set1_epi16(1));
-                } else {
-                    sums[t] = piece_sums(w, x, c + 32 * t);
-                }
+        const uint8_t *block = row + c / 32 * bytes;
+        const int count = k - c >= 128 ? 4 : (int)((k - c) / 32);
+        for (int t = 0; t < 4; t++) {
+            if (t >= count) {
+                sums[t] = _mm256_setzero_si256();
+                continue;
             }
-            float d[8] = {0}, m[8] = {0};
-            small_block_scales(type, row, count, d, m);
-            const int64_t g = c / GROUP;
-            const __m256 scale = _mm256_mul_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(d), LANE_GROUPS), _mm256_loadu_ps(x->scale + g));
-            lanes = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sums(sums)), scale, lanes);
-            lanes = _mm256_fmadd_ps(_mm256_loadu_ps(m), _mm256_loadu_ps(x->group_sum + g), lanes);
+            const __m256i w = small_block_codes(type, block + t * bytes);
+            if (type == GGML_Q8_0) { /* signed, as coded_tile_step takes Q8_0 rows */
+                const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + c + 32 * t));
+                sums[t] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xq, w)), _mm256_set1_epi16(1));
+            } else {
+                sums[t] = piece_sums(w, x, c + 32 * t);
+            }
         }
-        break;
+        const __m256 d = small_block_halves(block, bytes, count, 0), m = small_block_offsets(type, block, count, d);
+        const __m256 present = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(2 * count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        /* the block of lane n's group (LANE_GROUPS[n] / 2), and of each group in natural order */
+        scale = _mm256_permutevar8x32_ps(d, _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3));
+        offset = _mm256_and_ps(_mm256_permutevar8x32_ps(m, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)), present);
     }
-    default:
-        return 0;
-    }
-    float lane_values[8];
-    _mm256_storeu_ps(lane_values, lanes);
-    *out = lanes_total(lane_values);
-    return 1;
+    lanes = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sums(sums)), _mm256_mul_ps(scale, _mm256_loadu_ps(x->scale + g)), lanes);
+    return _mm256_fmadd_ps(offset, _mm256_loadu_ps(x->group_sum + g), lanes);
 }
+
+static inline float decode_total(__m256 lanes) {
+    float values[8];
+    _mm256_storeu_ps(values, lanes);
+    return lanes_total(values);
+}
+
+#endif
+
+#if defined(Q8_VNNI) || defined(Q8_AVX2)
 
 static int has_decode_kernel(int64_t type) { return type == GGML_Q4_K || type == GGML_Q6_K || small_block_bytes(type) > 0; }
 
-#else
-
-static int decode_row_dot(int64_t type, const uint8_t *restrict row, int64_t k, const CodedActivations *x, float *out) {
-    (void)type, (void)row, (void)k, (void)x, (void)out;
-    return 0;
+/* One row, span after span. */
+static inline __attribute__((always_inline)) float decode_row(int64_t type, const uint8_t *row, int64_t k, const CodedActivations *x) {
+    DECODE_LANES lanes = (DECODE_LANES){0};
+    for (int64_t c = 0; c < k; c += SPAN) lanes = decode_span(type, row, c, k, x, lanes);
+    return decode_total(lanes);
 }
+
+/* The tile's four rows, all of `type`. On VNNI the blocks of 32 go span by span side by side: four
+   independent chains of float operations, where one short row alone would wait on each
+   multiply-add; K-quant rows are long enough to hide that and go faster one by one, as every row
+   does on AVX2 (16 registers: four rows side by side spill). Inlined per format (a constant `type`),
+   so that each format's loop is its own code; the operations per row are decode_row's. */
+static inline __attribute__((always_inline)) void decode_rows(int64_t type, const uint8_t *const *rows, int64_t k,
+                                                              const CodedActivations *x, float *totals) {
+    if (type == GGML_Q4_K || type == GGML_Q6_K || SPAN != 256) {
+        for (int r = 0; r < TILE_ROWS; r++) totals[r] = decode_row(type, rows[r], k, x);
+        return;
+    }
+    DECODE_LANES lanes0 = (DECODE_LANES){0}, lanes1 = lanes0, lanes2 = lanes0, lanes3 = lanes0; /* (TILE_ROWS) */
+    for (int64_t c = 0; c < k; c += SPAN) {
+        lanes0 = decode_span(type, rows[0], c, k, x, lanes0);
+        lanes1 = decode_span(type, rows[1], c, k, x, lanes1);
+        lanes2 = decode_span(type, rows[2], c, k, x, lanes2);
+        lanes3 = decode_span(type, rows[3], c, k, x, lanes3);
+    }
+    totals[0] = decode_total(lanes0);
+    totals[1] = decode_total(lanes1);
+    totals[2] = decode_total(lanes2);
+    totals[3] = decode_total(lanes3);
+}
+
+/* out[r] = x · w[r] for the tile's rows, each of a format with a decode kernel (a short tile's
+   repeated rows are computed and dropped). A tile across two formats goes row by row. */
+static void decode_tile(const int64_t *types, const uint8_t *const *rows, int64_t count, int64_t k, const CodedActivations *x,
+                        float *out) {
+    float totals[TILE_ROWS];
+    if (types[1] == types[0] && types[2] == types[0] && types[3] == types[0]) {
+        switch (types[0]) {
+        case GGML_Q4_K: decode_rows(GGML_Q4_K, rows, k, x, totals); break;
+        case GGML_Q6_K: decode_rows(GGML_Q6_K, rows, k, x, totals); break;
+        case GGML_Q4_0: decode_rows(GGML_Q4_0, rows, k, x, totals); break;
+        case GGML_Q4_1: decode_rows(GGML_Q4_1, rows, k, x, totals); break;
+        case GGML_Q5_0: decode_rows(GGML_Q5_0, rows, k, x, totals); break;
+        default: decode_rows(GGML_Q8_0, rows, k, x, totals); break;
+        }
+    } else {
+        for (int r = 0; r < TILE_ROWS; r++) totals[r] = decode_row(types[r], rows[r], k, x);
+    }
+    for (int64_t r = 0; r < count; r++) out[r] = totals[r];
+}
+
+#else
 
 static int has_decode_kernel(int64_t type) {
     (void)type;
     return 0;
+}
+
+static void decode_tile(const int64_t *types, const uint8_t *const *rows, int64_t count, int64_t k, const CodedActivations *x,
+                        float *out) {
+    (void)types, (void)rows, (void)count, (void)k, (void)x, (void)out;
 }
 
 #endif
