@@ -17,13 +17,13 @@ import json
 import statistics
 
 from polylane.engine import Engine, EngineConfig
-from polylane.types import SamplingParams
+from polylane.types import WEIGHT_DTYPES, SamplingParams
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "int8", "int4"])
+    parser.add_argument("--dtype", default="fp32", choices=WEIGHT_DTYPES)
     args = parser.parse_args()
     text = " ".join(
         f"Note {i}: the shipment left dock {i % 7} at {i % 24}:00 with {i * 13 % 90} crates."

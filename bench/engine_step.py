@@ -35,7 +35,7 @@ from typing import Any
 from polylane.bench.engine_client import SUBMIT_THREADS, EngineSetup, open_engine
 from polylane.engine import Engine, EngineConfig
 from polylane.runtime import detokenizer, model_kv, runner
-from polylane.types import SamplingParams
+from polylane.types import WEIGHT_DTYPES, SamplingParams
 
 PARTS = ["plan", "execute", "reserve", "batch", "forward", "C forward", "sample", "deliver", "detokenise"]
 
@@ -148,7 +148,7 @@ async def send_all(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="int4", choices=["fp32", "bf16", "int8", "int4"])
+    parser.add_argument("--dtype", default="int4", choices=WEIGHT_DTYPES)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=4)

@@ -3,7 +3,7 @@ auto-fp32 and llama.cpp, side by side, against an fp32 forward of the same GGUF 
 dequantised by `gguf`.
 
 For each model, one prompt of `--positions` tokens: logits at every position from polylane at
-dtype auto (the file's blocks in place, activations rounded to 8 bits per block of 32 for integer
+dtype auto (the file's blocks in place, activations rounded to 8 bits per group of 16 for integer
 dot products), at auto-fp32 (the same blocks, float32 activations), from llama.cpp
 (llama-cpp-python, `logits_all`, which also rounds activations to 8 bits), and from polylane's
 fp32 load (the reference). Printed per model and engine: top-1 agreement with the reference and

@@ -33,7 +33,7 @@ from polylane.runtime.kv_cache import PagedKVCache
 from polylane.runtime.layers import ForwardContext
 from polylane.runtime.loaded_model import load_model
 from polylane.runtime.sampler import RequestSampler, sample_rows
-from polylane.types import SamplingParams, SequenceChunk
+from polylane.types import WEIGHT_DTYPES, SamplingParams, SequenceChunk
 
 WEIGHT_OPS = {
     "aten::mm",
@@ -107,7 +107,7 @@ def time_pieces(model, cache, tables, length: int, block_size: int) -> dict[str,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "int8", "int4"])
+    parser.add_argument("--dtype", default="fp32", choices=WEIGHT_DTYPES)
     parser.add_argument("--context", type=int, default=32)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=10)
