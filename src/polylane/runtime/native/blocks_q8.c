@@ -388,19 +388,22 @@ static CodedActivations activation_layout(uint8_t *base, int64_t k) {
     return a;
 }
 
-/* Rounds x[k] to 8 bits per group of 16 (the weights' group): scale = max|x| / 127,
-   q = round(x · 127 / max|x|). Groups of 16 rather than llama.cpp's 32 or 256 halve the reach of an
-   outlier, at no cost in the dot products (the weights have a scale per 16 anyway). */
-static void code_activations(const float *restrict x, int64_t k, CodedActivations a) {
-    const int64_t padded = whole_spans(k);
-    for (int64_t g = 0; g < padded / GROUP; g++) {
+/* Rounds span `span` (SPAN columns) of x[k] to 8 bits per group of 16 (the weights' group):
+   scale = max|x| / 127, q = round(x · 127 / max|x|), and writes the span's lane layout. Groups of 16
+   rather than llama.cpp's 32 or 256 halve the reach of an outlier, at no cost in the dot products
+   (the weights have a scale per 16 anyway). Columns past k are zeros. */
+static void code_activation_span(const float *restrict x, int64_t k, CodedActivations a, int64_t span) {
+    for (int64_t g = span * SPAN_GROUPS; g < (span + 1) * SPAN_GROUPS; g++) {
         if (g >= k / GROUP) {
             memset(a.q + GROUP * g, 0, GROUP);
             a.scale[g] = a.group_sum[g] = 0.0f;
             continue;
         }
         float amax = 0.0f;
-        for (int j = 0; j < GROUP; j++) amax = fmaxf(amax, fabsf(x[GROUP * g + j]));
+        for (int j = 0; j < GROUP; j++) {
+            const float magnitude = fabsf(x[GROUP * g + j]);
+            amax = magnitude > amax ? magnitude : amax; /* (vectorises; fmaxf calls libm) */
+        }
         const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
         a.scale[g] = scale;
         int sum = 0;
@@ -411,8 +414,8 @@ static void code_activations(const float *restrict x, int64_t k, CodedActivation
         }
         a.group_sum[g] = scale * (float)sum;
     }
-    memcpy(a.lanes, a.q, (size_t)padded);
-    to_lanes((uint8_t *)a.lanes, a.scale, padded);
+    memcpy(a.lanes + SPAN * span, a.q + SPAN * span, SPAN);
+    span_to_lanes((uint8_t *)a.lanes + SPAN * span, a.scale + SPAN_GROUPS * span);
 }
 
 /* ---------------------------------------------------------------- dot products */
@@ -610,9 +613,12 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
         TileSums *sums = (TileSums *)(scratch + codes_bytes + d_bytes + m_bytes);
         for (int64_t m0 = 0; m0 < rows; m0 += x_block) {
             const int64_t m1 = m0 + x_block < rows ? m0 + x_block : rows;
+            const int64_t row_spans = whole_spans(k) / SPAN; /* spans, so that one row is shared by the threads */
 #pragma omp for schedule(static)
-            for (int64_t row = m0; row < m1; row++)
-                code_activations(x + row * k, k, activation_layout(activations + (size_t)(row - m0) * x_bytes, k));
+            for (int64_t item = 0; item < (m1 - m0) * row_spans; item++) {
+                const int64_t row = m0 + item / row_spans;
+                code_activation_span(x + row * k, k, activation_layout(activations + (size_t)(row - m0) * x_bytes, k), item % row_spans);
+            }
 #pragma omp for schedule(static)
             for (int64_t tile = 0; tile < tiles; tile++) {
                 const int64_t n0 = tile * TILE_ROWS;
