@@ -9,11 +9,13 @@ m = −offset·d), and their products are exact integer sums per group, scaled i
     x·w = Σ_g dx_g · (d_g · Σ_i u_i·q_i  +  m_g · Σ_i q_i)
 
 The integer sums are exact on every instruction set (AVX-512 VNNI `vpdpbusd`, AVX2 `vpmaddubsw`,
-portable C); only the float scaling's order differs between them.
+portable C); only the float scaling's order differs between them. Each group's sum is complete in
+integers before its one float multiply-add (codes and activations in "lane layout", below).
 
 Batch independence holds as in blocks.c: an activation row is quantised alone, and each output is
 one fixed sequence of operations on its own activation row and weight row, whatever the batch,
-thread count or tile.
+thread count or tile. A single activation row (a decode step) takes blocks_q8_decode.c's kernels
+where the tile's formats have them: the same operations, without coding the weights first.
 
 Float weight tensors (F32, F16, BF16) have no codes: a matrix with such a segment takes the float
 path of blocks.c.
@@ -297,8 +299,9 @@ coded this way once per tile and activation rows once per product, so a prompt p
 reorder once per row and no more in the dot. Portable C keeps the natural order (SPAN = GROUP). */
 
 #if defined(Q8_VNNI)
-/* T[s] = 32-bit word s of each 128-bit lane of v[0..3], lane by lane (the transpose above); with
-   `add` the four results summed instead (the group sums of four natural-order dot products). */
+/* v[s] ← 32-bit word s of each 128-bit lane of the four v, lane by lane (the transpose above).
+   group_sums: the four so transposed, summed: the lane-order group sums of four natural-order
+   vectors of four-code sums (what the decode kernels have). */
 static inline void transpose_words(__m512i v[4]) {
     const __m512i a = _mm512_unpacklo_epi32(v[0], v[1]), b = _mm512_unpackhi_epi32(v[0], v[1]);
     const __m512i c = _mm512_unpacklo_epi32(v[2], v[3]), e = _mm512_unpackhi_epi32(v[2], v[3]);
