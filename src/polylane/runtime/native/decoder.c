@@ -715,14 +715,13 @@ static void quantised_rows_amx(const Matrix *w, const uint32_t *x_pairs, const f
 #endif
 
 /* y (rows, N) = x (rows, K) W^T + b, float32 in and out, for any kind of weight; int4 and int8 rows
- * in `runs` (NULL: none) take the prompt kernels where AMX is on. */
-static void matmul(const Matrix *w, const float *x, int64_t rows, float *y, const Scratch *scratch, int threads,
-                   const Runs *runs) {
-    if (rows == 0) return; /* e.g. a prompt chunk that needs no logits: no tile has zero rows */
-    if (w->kind == BLOCKS) { /* every row the same arithmetic, whatever the batch (blocks.c) */
-        polylane_blocks_matmul((const BlockMatrix *)w->weight, x, rows, y, threads);
-        return;
-    }
+ * in `runs` (NULL: none) take the prompt kernels where AMX is on. 0, or -1 when the block kernels
+ * found no scratch memory (y then holds nothing). */
+static int matmul(const Matrix *w, const float *x, int64_t rows, float *y, const Scratch *scratch, int threads,
+                  const Runs *runs) {
+    if (rows == 0) return 0; /* e.g. a prompt chunk that needs no logits: no tile has zero rows */
+    if (w->kind == BLOCKS) /* every row the same arithmetic, whatever the batch (blocks.c) */
+        return polylane_blocks_matmul((const BlockMatrix *)w->weight, x, rows, y, threads) ? -1 : 0;
     const int64_t blocks = w->out_features / 64;
     const uint32_t *x_pairs = (const uint32_t *)scratch->x16;
     const int dense32 = w->kind == FP32 || w->kind == FP32_INPUT_MAJOR;
@@ -763,7 +762,7 @@ static void matmul(const Matrix *w, const float *x, int64_t rows, float *y, cons
             free(tiles);
             _tile_release();
         }
-        return;
+        return 0;
     }
 #endif
     (void)amx;
@@ -777,6 +776,7 @@ static void matmul(const Matrix *w, const float *x, int64_t rows, float *y, cons
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t n0 = 0; n0 < w->out_features; n0 += 4) dense_rows_avx(w, x, x_pairs, rows, n0, y, w->out_features);
     }
+    return 0;
 }
 
 /* y (rows, N) = x (rows, K) W^T + b alone (for tests and benchmarks), all rows one prompt run if
@@ -786,7 +786,7 @@ int polylane_matmul(const Matrix *w, const float *x, int64_t rows, float *y, int
     Run run = {.first = 0, .count = rows};
     const Runs runs = {.count = prompt && amx_on() ? 1 : 0, .runs = &run};
     int status = scratch_alloc(&scratch, rows, w->in_features);
-    if (status == 0) matmul(w, x, rows, y, &scratch, threads, &runs);
+    if (status == 0) status = matmul(w, x, rows, y, &scratch, threads, &runs);
     scratch_free(&scratch);
     return status;
 }
@@ -1382,24 +1382,24 @@ int polylane_forward(const Model *model, const Step *step, float *logits) {
         const Layer *layer = &model->layers[l];
         if (layer->boundary) record_boundary(model, step, hidden, layer->boundary, layer->boundary_valid);
         EACH_ROW(i, t, rms_norm(hidden + i * e, layer->input_norm, e, model->eps, normed + i * e));
-        matmul(&layer->qkv, normed, t, wide, &scratch, threads, &runs);
+        if ((status = matmul(&layer->qkv, normed, t, wide, &scratch, threads, &runs)) != 0) goto done;
         const float *rotations = layer->sliding ? step->local_rotations : step->rotations;
         EACH_ROW(i, t, rotate_and_store(model, layer, wide + i * qkv_width, rotations + step->positions[i] * dim,
                                         step->slots[i]));
         attention(model, layer, step, &runs, wide, narrow, scores);
-        matmul(&layer->o, narrow, t, residual, &scratch, threads, &runs);
+        if ((status = matmul(&layer->o, narrow, t, residual, &scratch, threads, &runs)) != 0) goto done;
         add_residual(model, layer->attention_norm, residual, t, threads, hidden);
         EACH_ROW(i, t, rms_norm(hidden + i * e, layer->post_norm, e, model->eps, normed + i * e));
-        matmul(&layer->gate_up, normed, t, wide, &scratch, threads, &runs);
+        if ((status = matmul(&layer->gate_up, normed, t, wide, &scratch, threads, &runs)) != 0) goto done;
         EACH_ROW(i, t, gated_activation(model->activation, wide + i * 2 * inter, wide + i * 2 * inter + inter, inter,
                                         narrow + i * inter));
-        matmul(&layer->down, narrow, t, residual, &scratch, threads, &runs);
+        if ((status = matmul(&layer->down, narrow, t, residual, &scratch, threads, &runs)) != 0) goto done;
         add_residual(model, layer->mlp_norm, residual, t, threads, hidden);
     }
     if (model->final_boundary) record_boundary(model, step, hidden, model->final_boundary, model->final_boundary_valid);
     for (int64_t r = 0; r < step->num_logits; r++)
         rms_norm(hidden + step->logit_rows[r] * e, model->final_norm, e, model->eps, normed + r * e);
-    matmul(&model->lm_head, normed, step->num_logits, logits, &scratch, threads, NULL); /* logit rows: exact */
+    status = matmul(&model->lm_head, normed, step->num_logits, logits, &scratch, threads, NULL); /* logit rows: exact */
 done:
     free(normed);
     free(wide);
