@@ -460,7 +460,7 @@ int polylane_blocks_matmul(const BlockMatrix *w, const float *x, int64_t rows, f
     int64_t x_block = X_BLOCK_BYTES / (k * 4);
     if (x_block < 16) x_block = 16;
     if (threads < 1) threads = 1;
-    float *buffers = aligned_alloc(64, (size_t)(threads * TILE_ROWS * k) * sizeof(float));
+    float *buffers = (float *)calling_thread_scratch((size_t)(threads * TILE_ROWS * k) * sizeof(float));
     if (buffers == NULL) return 1;
 #pragma omp parallel num_threads(threads)
     {
@@ -489,7 +489,6 @@ int polylane_blocks_matmul(const BlockMatrix *w, const float *x, int64_t rows, f
             }
         }
     }
-    free(buffers);
     return 0;
 }
 

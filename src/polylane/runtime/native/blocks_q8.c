@@ -573,6 +573,23 @@ static int decodes_tile(const int64_t *types, int64_t count) {
     return 1;
 }
 
+/* At least `bytes` of 64-byte aligned memory for the calling thread's products, kept from one
+   product to the next and grown when a larger one asks (a decode step makes one or two hundred
+   products; fresh memory each time, page faults included, cost as much as a small product). Each
+   thread that multiplies keeps its largest (a prompt's: a few hundred KB) until the process ends.
+   NULL without memory. */
+static uint8_t *calling_thread_scratch(size_t bytes) {
+    static _Thread_local uint8_t *memory;
+    static _Thread_local size_t capacity;
+    if (bytes > capacity) {
+        free(memory);
+        capacity = (bytes + 63) & ~(size_t)63;
+        memory = aligned_alloc(64, capacity);
+        if (memory == NULL) capacity = 0;
+    }
+    return memory;
+}
+
 /* y (rows, out_features) = x·Wᵀ + bias with x rounded to 8 bits per group (blocks.c's matmul when
    the matrix asks for 8-bit activations). 0, or 1 when scratch memory ran out.
 
@@ -601,16 +618,13 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
     const int64_t m_ld = whole_spans(k) / GROUP; /* a row's offsets, zero past its groups */
     const size_t m_bytes = ((size_t)TILE_ROWS * m_ld * sizeof(float) + 63) & ~(size_t)63;
     const size_t thread_bytes = codes_bytes + d_bytes + m_bytes + (size_t)x_block * sizeof(TileSums);
-    uint8_t *activations = aligned_alloc(64, x_bytes * (size_t)x_block);
-    uint8_t *scratch_all = aligned_alloc(64, thread_bytes * (size_t)threads);
-    if (activations == NULL || scratch_all == NULL) {
-        free(activations);
-        free(scratch_all);
-        return 1;
-    }
+    const size_t activation_total = x_bytes * (size_t)x_block;
+    uint8_t *activations = calling_thread_scratch(activation_total + ((thread_bytes + 63) & ~(size_t)63) * (size_t)threads);
+    if (activations == NULL) return 1;
+    uint8_t *scratch_all = activations + activation_total;
 #pragma omp parallel num_threads(threads)
     {
-        uint8_t *scratch = scratch_all + thread_bytes * (size_t)omp_get_thread_num();
+        uint8_t *scratch = scratch_all + ((thread_bytes + 63) & ~(size_t)63) * (size_t)omp_get_thread_num();
         uint8_t *codes = scratch;
         float *d = (float *)(scratch + codes_bytes), *m = (float *)(scratch + codes_bytes + d_bytes);
         TileSums *sums = (TileSums *)(scratch + codes_bytes + d_bytes + m_bytes);
@@ -670,7 +684,5 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
             }
         }
     }
-    free(activations);
-    free(scratch_all);
     return 0;
 }
