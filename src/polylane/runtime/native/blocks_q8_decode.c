@@ -1,23 +1,23 @@
 /* One activation row times the file's rows, straight from the blocks (included by blocks_q8.c).
 
 What this file owns: the decode step's product (a single activation row) for Q4_0, Q4_1, Q5_0,
-Q8_0, Q4_K and Q6_K (every format of the catalogue's files), on AVX-512 VNNI and on AVX2. coded_matmul codes four
-weight rows into a buffer and then dots them; with one activation row each code is used once, so
-storing and reloading the codes costs as much as the dot itself. Here each 64 codes are unpacked
-in registers and dotted at once.
+Q8_0, Q4_K and Q6_K (every format of the catalogue's files), on AVX-512 VNNI and on AVX2.
+coded_matmul codes four weight rows into a buffer and then dots them; with one activation row each
+code is used once, so storing and reloading the codes costs as much as the dot itself. Here each
+span's codes are unpacked in registers and dotted at once.
 
 Bit-identical to the coded path: the codes, the integer group sums (formed from natural-order dot
-products instead of lane-layout ones: integer sums, so the same), each lane's scale (the same floats,
-moved by a permute instead of a store) and every float operation, in the same order, are those of
-code_row → to_lanes → coded_tile_step → lanes_total. So a decode step gives
-the logits a verify pass or a prompt would give for that row (batch independence), and the
-tests of the coded path hold for this one.
+products instead of lane-layout ones: integer sums, so the same), each lane's scale (the same
+floats, moved by a permute instead of a store) and every float operation, in the same order, are
+those of code_row → to_lanes → coded_tile_step → lanes_total. So a decode step gives the logits a
+verify pass or a prompt would give for that row (batch independence), and the tests of the coded
+path hold for this one.
 */
 
 #if defined(Q8_VNNI) || defined(Q8_AVX2)
 
-/* The formats of blocks of 32 (Q4_0, Q4_1, Q5_0, Q8_0): bytes per block, and one block's 32 codes
-   and its d and m exactly as simd_code_row makes them. */
+/* The formats of blocks of 32 (Q4_0, Q4_1, Q5_0, Q8_0): bytes per block, and (below) their d and m
+   exactly as simd_code_row makes them. */
 static int64_t small_block_bytes(int64_t type) {
     switch (type) {
     case GGML_Q4_0: return 18;
@@ -25,32 +25,6 @@ static int64_t small_block_bytes(int64_t type) {
     case GGML_Q5_0: return 22;
     case GGML_Q8_0: return 34;
     default: return 0;
-    }
-}
-
-static inline __m256i small_block_codes(int64_t type, const uint8_t *block) {
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    switch (type) {
-    case GGML_Q4_0:
-    case GGML_Q4_1: {
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + (type == GGML_Q4_0 ? 2 : 4)));
-        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), _mm_and_si128(bytes, low4));
-    }
-    case GGML_Q5_0: {
-        uint32_t qh;
-        memcpy(&qh, block + 2, 4);
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 6));
-        return _mm256_set_m128i(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), fifth_bits(qh, 16)),
-                                _mm_or_si128(_mm_and_si128(bytes, low4), fifth_bits(qh, 0)));
-    }
-    default: { /* Q8_0 */
-        const __m256i bytes = _mm256_loadu_si256((const __m256i *)(block + 2));
-#if defined(Q8_AVX2)
-        return bytes;
-#else
-        return _mm256_xor_si256(bytes, _mm256_set1_epi8((char)0x80));
-#endif
-    }
     }
 }
 
@@ -83,19 +57,6 @@ static inline __m256 small_block_offsets(int64_t type, const uint8_t *row, int c
     }
 }
 
-#endif
-
-#if defined(Q8_VNNI) || defined(Q8_AVX2)
-/* A Q4_K/Q5_K super-block's 8 sub-block scales (d·sc) and 8 offsets (−dmin·mn), unpacked as
-   k4_group_scales does: the 16 bytes of 6-bit values. */
-static inline __m128i k4_scale_bytes(const uint8_t *block) {
-    uint32_t a, b, c; /* built in registers: a round trip through memory stalls store forwarding */
-    memcpy(&a, block + 4, 4);
-    memcpy(&b, block + 8, 4);
-    memcpy(&c, block + 12, 4);
-    return _mm_setr_epi32((int)(a & 0x3f3f3f3f), (int)((c & 0x0f0f0f0f) | (((a >> 6) & 0x03030303) << 4)), (int)(b & 0x3f3f3f3f),
-                          (int)(((c >> 4) & 0x0f0f0f0f) | (((b >> 6) & 0x03030303) << 4)));
-}
 #endif
 
 #if defined(Q8_VNNI)
@@ -197,6 +158,29 @@ static inline float decode_total(__m512 lanes) { return _mm512_reduce_add_ps(lan
 #elif defined(Q8_AVX2)
 
 #define DECODE_LANES __m256
+
+/* One block's 32 codes exactly as simd_code_row makes them (AVX2). */
+static inline __m256i small_block_codes(int64_t type, const uint8_t *block) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    switch (type) {
+    case GGML_Q4_0:
+    case GGML_Q4_1: {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + (type == GGML_Q4_0 ? 2 : 4)));
+        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), _mm_and_si128(bytes, low4));
+    }
+    case GGML_Q5_0: {
+        uint32_t qh;
+        memcpy(&qh, block + 2, 4);
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 6));
+        return _mm256_set_m128i(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), fifth_bits(qh, 16)),
+                                _mm_or_si128(_mm_and_si128(bytes, low4), fifth_bits(qh, 0)));
+    }
+    default: { /* Q8_0 */
+        const __m256i bytes = _mm256_loadu_si256((const __m256i *)(block + 2));
+        return bytes; /* signed, as simd_code_row keeps them on AVX2 */
+    }
+    }
+}
 
 /* The four natural-order pieces of 32 codes of an AVX2 span (vpmaddubsw, vpmaddwd by ones). */
 static inline __m256i piece_sums(__m256i codes, const CodedActivations *x, int64_t i) {
