@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+import polylane.engine as engine_module
 from polylane.engine import Engine, EngineConfig, RequestTooLongError, UnknownModelError
 from polylane.policy.scheduler import SchedulerConfig
 from polylane.runtime.generate import GenerationRequest, Generator
@@ -338,8 +339,12 @@ def _idle_engine(quiet_s: float) -> Engine:
     return engine
 
 
-def test_a_submit_still_tokenising_joins_the_first_prefill_step():
+def test_a_submit_still_tokenising_joins_the_first_prefill_step(monkeypatch):
     params = SamplingParams(max_tokens=2, ignore_eos=True)
+    # The engine waits for a submit still tokenising at most ARRIVAL_WAIT_S (20 ms); on a loaded
+    # 2-core box the slow thread's wake-up alone overran that now and then (twice in one day, once
+    # in a full run), so the bound is lifted here: this test is about the waiting, not the bound.
+    monkeypatch.setattr(engine_module, "ARRIVAL_WAIT_S", 1.0)
     with _idle_engine(quiet_s=0.002) as engine:
         slow_started = threading.Event()
         prompt_ids = engine.prompt_ids
@@ -347,9 +352,7 @@ def test_a_submit_still_tokenising_joins_the_first_prefill_step():
         def tokenise(model, prompt, messages):
             if prompt == "slow":
                 slow_started.set()
-                # a long prompt's template and tokeniser: 3× the quiet window, well inside the
-                # engine's 20 ms bound (10 ms here failed once in six full runs on a loaded 2-core box)
-                time.sleep(0.006)
+                time.sleep(0.006)  # a long prompt's template and tokeniser: 3× the quiet window
             else:
                 slow_started.wait(5)
             return prompt_ids(model, prompt, messages)
