@@ -71,20 +71,16 @@ class _Cursor:
         with mmap.mmap(self.handle.fileno(), 0, access=mmap.ACCESS_READ) as view:
             for _ in range(count):
                 if position + 8 > self.size:
-                    break
+                    raise GGUFFormatError(
+                        f"truncated file: the header ends early, at byte {position:,} of {self.size:,}"
+                    )
                 length = struct.unpack_from("<Q", view, position)[0]
                 if length > self.size:
                     raise GGUFFormatError(
                         f"truncated or corrupt header: string length {length:,} exceeds the file size"
                     )
                 position += 8 + length
-            else:
-                if position <= self.size:
-                    self.handle.seek(position)
-                    return
-        raise GGUFFormatError(
-            f"truncated file: the header ends early, at byte {min(position, self.size):,} of {self.size:,}"
-        )
+        self.handle.seek(position)  # (past the end if the last string is cut: the next read says so)
 
     def value(self, value_type: int) -> Any:
         if value_type in _SCALARS:

@@ -28,6 +28,9 @@ static int64_t small_block_bytes(int64_t type) {
     }
 }
 
+/* Where a Q4_0, Q4_1 or Q5_0 block's 16 nibble bytes start (after d, then m or the fifth bits). */
+static inline int nibble_offset(int64_t type) { return type == GGML_Q4_1 ? 4 : type == GGML_Q5_0 ? 6 : 2; }
+
 static inline uint16_t half_bits(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
@@ -120,7 +123,7 @@ static inline __attribute__((always_inline)) __m512 decode_span(int64_t type, co
                 codes = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(first + 2))), high, 1),
                                          _mm512_set1_epi8((char)0x80));
             } else { /* the two blocks' 16 nibble bytes, each twice: [first, first, second, second] */
-                const int nibbles = type == GGML_Q4_1 ? 4 : type == GGML_Q5_0 ? 6 : 2;
+                const int nibbles = nibble_offset(type);
                 const __m512i doubled = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(first + nibbles))),
                                                                     both ? (__mmask16)0xFF00 : 0,
                                                                     _mm_loadu_si128((const __m128i *)(both ? second + nibbles : first + nibbles)));
@@ -130,8 +133,7 @@ static inline __attribute__((always_inline)) __m512 decode_span(int64_t type, co
                     uint32_t high_first, high_second = 0;
                     memcpy(&high_first, first + 2, 4);
                     if (both) memcpy(&high_second, second + 2, 4);
-                    codes = _mm512_mask_or_epi32(codes, 0xFFFF, codes,
-                                                 _mm512_maskz_mov_epi8(((__mmask64)high_second << 32) | high_first, _mm512_set1_epi8(0x10)));
+                    codes = _mm512_or_si512(codes, _mm512_maskz_mov_epi8(((__mmask64)high_second << 32) | high_first, _mm512_set1_epi8(0x10)));
                 }
                 if (!both) codes = _mm512_maskz_mov_epi8(0x00000000FFFFFFFFull, codes);
             }
@@ -165,13 +167,13 @@ static inline __m256i small_block_codes(int64_t type, const uint8_t *block) {
     switch (type) {
     case GGML_Q4_0:
     case GGML_Q4_1: {
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + (type == GGML_Q4_0 ? 2 : 4)));
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + nibble_offset(type)));
         return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), _mm_and_si128(bytes, low4));
     }
     case GGML_Q5_0: {
         uint32_t qh;
         memcpy(&qh, block + 2, 4);
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + 6));
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(block + nibble_offset(type)));
         return _mm256_set_m128i(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), fifth_bits(qh, 16)),
                                 _mm_or_si128(_mm_and_si128(bytes, low4), fifth_bits(qh, 0)));
     }
