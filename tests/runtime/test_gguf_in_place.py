@@ -6,14 +6,22 @@ mean-abs difference are printed and recorded, for dtype auto (8-bit activations:
 tolerance below, which llama.cpp's own logits on the same file do not meet — bench/file_fidelity.py)
 and auto-fp32 (float32 activations: float32 noise). The model costs its file's tensor bytes
 (nothing converted, nothing cached on disk), and a verify pass gives the decode steps' tokens and
-logits.
+logits. The native stack runs the layers between the block products on every build; the AVX2 and
+portable C builds rerun the verify, closeness and native-stack tests in a subprocess.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+from polylane.runtime.block_weights import isa_name as block_isa_name
+from polylane.runtime.compute_paths import stack_unavailable_reason
 from polylane.runtime.loader import estimate_weight_bytes
 from polylane.runtime.model_kv import Extend, ModelKV
 from tests.conftest import fetch_or_skip
@@ -84,9 +92,10 @@ def test_the_model_costs_its_files_bytes_and_nothing_is_converted(
 @pytest.mark.parametrize("dtype", list(CLOSENESS))
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
 def test_a_verify_pass_equals_the_decode_steps(load_real_model, name, dtype):
-    """Same greedy tokens, logits within float32 noise: the block products are the same bits
-    whatever the batch (test_block_weights.py); torch's attention between them is not bit-exact
-    across batch shapes, as on the fp32 path (test_verify.py)."""
+    """Same greedy tokens and, where the native stack runs the layers between the block products,
+    the same logits bit for bit (its every token's arithmetic is its own; the block products are
+    the same bits whatever the batch, test_block_weights.py); where torch runs them, within float32
+    noise (its attention is not bit-exact across batch shapes, as on the fp32 path, test_verify.py)."""
     model = load_real_model(name, dtype)
     prompt = tuple(model.tokenizer.encode(TEXT))[:40]
     kv = ModelKV(model, num_blocks=16, block_size=8, prefix_cache=False)
@@ -101,5 +110,43 @@ def test_a_verify_pass_equals_the_decode_steps(load_real_model, name, dtype):
     verified = kv.forward([Extend(sequence, tuple(tokens), logits="all")])
     assert [int(row.argmax()) for row in verified] == [*tokens[1:], int(sequential[-1].argmax())]
     max_abs = max((a - b).abs().max().item() for a, b in zip(verified, sequential, strict=True))
-    assert max_abs < 1e-4, f"{name}: verify against decode max-abs {max_abs:.2e}"
+    bound = 0.0 if model.module.native_stack is not None else 1e-4
+    assert max_abs <= bound, f"{name} ({model.compute_path}): verify against decode max-abs {max_abs:.2e}"
     kv.close(sequence)
+
+
+def test_the_native_stack_runs_the_files_blocks_wherever_it_builds(load_real_model):
+    """On every build (AVX-512, AVX2, portable C) the layers between the block products are C too."""
+    if (reason := stack_unavailable_reason()) is not None:
+        pytest.skip(reason)
+    model = load_real_model("smollm2-135m-instruct", "auto")
+    assert model.module.native_stack is not None
+    assert "the native stack between" in model.compute_path, model.compute_path
+
+
+BUILDS = {"avx2": {"POLYLANE_NATIVE_MARCH": "haswell"}, "portable C": {"POLYLANE_NATIVE_PORTABLE": "1"}}
+# what each build reruns: the native stack runs, a verify pass equals the decode steps (Gemma's
+# sliding layers too), and SmolLM2 stays close to the file
+RERUN = "native_stack_runs or (verify_pass and not fp32) or (close_to and smollm2 and not fp32)"
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_every_instruction_set_path_runs_the_file_natively(build):
+    """This file's tests named in RERUN, in a process whose kernels are built for `build` (the
+    layers between the block products in plain C there, decoder.c stack_portable.c)."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if build == "avx2" and " avx2 " not in flags:
+        pytest.skip("this CPU has no AVX2")
+    if build == block_isa_name():
+        pytest.skip(f"the {build} kernels are this process's own (tested above)")
+    env = {key: value for key, value in os.environ.items() if not key.startswith("POLYLANE_NATIVE")}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", RERUN],
+        cwd=Path(__file__).resolve().parents[2],
+        env={**env, **BUILDS[build]},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, f"{build}:\n{done.stdout[-3000:]}{done.stderr[-2000:]}"
+    assert " passed" in done.stdout and " skipped" not in done.stdout, done.stdout[-2000:]

@@ -34,7 +34,7 @@ from polylane.runtime.quantize import QuantizedProjection
 from polylane.types import SequenceChunk
 
 needs_native = pytest.mark.skipif(
-    native.library() is None, reason=str(native_unavailable_reason())
+    native.kernel_name() is None, reason=str(native_unavailable_reason())
 )
 SMOL, QWEN, GEMMA = "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma3-270m"
 TEXT = (

@@ -43,18 +43,23 @@ def cpu_description() -> str:
     return f"{model or platform.machine()} ({described})"
 
 
-def native_unavailable_reason() -> str | None:
-    """Why the native stack cannot run here, or None when it can."""
+def stack_unavailable_reason() -> str | None:
+    """Why the native stack cannot run here at all (GGUF blocks included), or None when it can."""
     if not build.enabled():
         return f"the native stack is turned off ({build.NATIVE_ENV}=0)"
-    if native.library() is not None:
-        return None
-    if build.load_library("decoder") is None:
+    if native.library() is None:
         return "the native stack has no C compiler, or its build failed (see the log)"
+    return None
+
+
+def native_unavailable_reason() -> str | None:
+    """Why the native stack cannot run dense weights (fp32, bf16, int8, int4) here, or None."""
+    if (reason := stack_unavailable_reason()) is not None or native.kernel_name() is not None:
+        return reason
     if build.portable():
-        return f"the native stack has no portable C path ({build.PORTABLE_ENV}=1)"
+        return f"the native stack's portable C path ({build.PORTABLE_ENV}=1) runs GGUF blocks only"
     march = next(flag for flag in build.compile_flags() if flag.startswith("-march="))
-    return f"the native stack needs AVX512-BF16 and AVX512-VBMI, which {march} lacks"
+    return f"the native stack's dense kernels need AVX512-BF16 and AVX512-VBMI, which {march} lacks"
 
 
 def why_not_native() -> str:
@@ -69,7 +74,8 @@ def auto_path(torch_path: str, activations: str = "8-bit activations") -> str:
     except block_weights.BlockKernelsUnavailable as error:
         return f"{torch_path} on fp32 weights: {error}"
     kernels = f"{isa} block kernels, {activations}"
-    return f"a GGUF file's own blocks in place ({kernels}), {torch_path} between them"
+    between = torch_path if stack_unavailable_reason() is not None else "the native stack"
+    return f"a GGUF file's own blocks in place ({kernels}), {between} between them"
 
 
 def dtype_paths() -> dict[str, str]:
@@ -131,6 +137,7 @@ __all__ = [
     "cpu_description",
     "dtype_paths",
     "native_unavailable_reason",
+    "stack_unavailable_reason",
     "thread_settings",
     "version_text",
     "why_not_native",

@@ -7,9 +7,11 @@
  * eager torch ops per layer whose fixed costs dominate a decode step (docs/profile.md). Python
  * builds the model description once (runtime/native/stack.py) and the per-forward index arrays;
  * this file does arithmetic only and allocates nothing that outlives a call. Activations, norms
- * and attention are float32; the KV cache is bf16 or float32.
+ * and attention are float32; the KV cache is bf16 or float32. The layer arithmetic outside the
+ * matrix products (attention, e^x, the MLP's gate, bf16 stores) is in stack_avx512.c where the CPU
+ * has AVX512-BF16 and VBMI, else in stack_portable.c (plain C: AVX2-only CPUs, ARM).
  *
- * Weights, each projection read in place in one of five forms:
+ * Weights, each projection read in place in one of six forms:
  * - INT4: torch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu`): for each block of 64
  *   output rows and each pair of input columns (k = 2kk, 2kk + 1), 64 bytes where byte j < 32
  *   holds column 2kk and byte j >= 32 column 2kk + 1, of row j % 32 in the low nibble and row
@@ -22,6 +24,9 @@
  *   K, then the scale; with AVX512-BF16 dot products (for AMX's tiles each block would first be
  *   converted, which costs a decode step more than the tiles save), except in prompt runs (below).
  * - FP32 (N, K) and FP32_INPUT_MAJOR (K, N): float32 throughout (AVX-512 FMAs).
+ * - BLOCKS: a GGUF file's tensors in place (blocks.c), on every CPU.
+ * The dense kinds (all but BLOCKS) need AVX512-BF16 and VBMI: elsewhere the stack runs BLOCKS
+ * weights alone (`polylane_kernel` says 0, and stack.py describes no dense weight to it).
  * int4 and bf16 products run on AMX tiles where the CPU has them (up to 16 tokens per tile
  * product), else with AVX512-BF16 dot products; one process always uses one of the two.
  *
@@ -36,7 +41,9 @@
  * alone: decode tokens and verify passes take the exact path whatever shares their step.
  */
 #define _GNU_SOURCE
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -150,15 +157,14 @@ typedef struct {
     int64_t *others;
 } Runs;
 
-int polylane_supported(void) {
+/* The dense kinds (INT4, BF16, INT8, FP32, FP32_INPUT_MAJOR) and the AVX-512 layer arithmetic
+ * (stack_avx512.c) need AVX512-BF16 and VBMI. Elsewhere (AVX2 only, ARM, the portable build) the
+ * stack runs BLOCKS weights alone, with the layer arithmetic in plain C (stack_portable.c). */
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && !defined(POLYLANE_PORTABLE)
-    return 1;
-#else
-    return 0;
+#define HAVE_DENSE_KERNELS 1
 #endif
-}
 
-#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && !defined(POLYLANE_PORTABLE)
+#ifdef HAVE_DENSE_KERNELS
 
 /* One row of activations (K) as bf16 column pairs and its bf16 sums per group (K/32). */
 static void prepare_row(const float *x, int64_t k, uint16_t *x16, float *group_sums) {
@@ -654,6 +660,7 @@ static void input_major_matmul(const Matrix *w, const float *x, int64_t rows, fl
     }
     free(partials);
 }
+#endif /* HAVE_DENSE_KERNELS */
 
 void polylane_use_amx(int on) {
 #ifdef HAVE_AMX
@@ -722,6 +729,10 @@ static int matmul(const Matrix *w, const float *x, int64_t rows, float *y, const
     if (rows == 0) return 0; /* e.g. a prompt chunk that needs no logits: no tile has zero rows */
     if (w->kind == BLOCKS) /* every row the same arithmetic, whatever the batch (blocks.c) */
         return polylane_blocks_matmul((const BlockMatrix *)w->weight, x, rows, y, threads) ? -1 : 0;
+#ifndef HAVE_DENSE_KERNELS
+    (void)x, (void)y, (void)scratch, (void)threads, (void)runs;
+    return -2; /* (stack.py describes no dense weight to a build without their kernels) */
+#else
     const int64_t blocks = w->out_features / 64;
     const uint32_t *x_pairs = (const uint32_t *)scratch->x16;
     const int dense32 = w->kind == FP32 || w->kind == FP32_INPUT_MAJOR;
@@ -777,6 +788,7 @@ static int matmul(const Matrix *w, const float *x, int64_t rows, float *y, const
         for (int64_t n0 = 0; n0 < w->out_features; n0 += 4) dense_rows_avx(w, x, x_pairs, rows, n0, y, w->out_features);
     }
     return 0;
+#endif
 }
 
 /* y (rows, N) = x (rows, K) W^T + b alone (for tests and benchmarks), all rows one prompt run if
@@ -791,12 +803,17 @@ int polylane_matmul(const Matrix *w, const float *x, int64_t rows, float *y, int
     return status;
 }
 
-/* Which matrix kernel runs: 2 = AMX tiles, 1 = AVX512-BF16 dot products. */
+/* Which kernel multiplies the dense kinds: 2 = AMX tiles, 1 = AVX512-BF16 dot products, 0 = none
+ * (this build runs BLOCKS weights alone). */
 int polylane_kernel(void) {
 #ifdef HAVE_AMX
     if (amx_on()) return 2;
 #endif
+#ifdef HAVE_DENSE_KERNELS
     return 1;
+#else
+    return 0;
+#endif
 }
 
 static void rms_norm(const float *row, const float *weight, int64_t size, float eps, float *y) {
@@ -805,6 +822,14 @@ static void rms_norm(const float *row, const float *weight, int64_t size, float 
     for (int64_t i = 0; i < size; i++) sum += row[i] * row[i];
     const float inv = 1.0f / sqrtf(sum / (float)size + eps);
     for (int64_t i = 0; i < size; i++) y[i] = row[i] * inv * weight[i];
+}
+
+/* A bf16 value as float32 (exact). */
+static inline float bf16_value(uint16_t bits) {
+    const uint32_t wide = (uint32_t)bits << 16;
+    float value;
+    memcpy(&value, &wide, sizeof value);
+    return value;
 }
 
 /* Rotate interleaved (even, odd) pairs of `heads` heads of one token by its (cos, sin) table. */
@@ -820,51 +845,12 @@ static void rotate(float *x, int64_t heads, int64_t head_dim, const float *rotat
     }
 }
 
-/* e^x, 16 lanes: 2^n · p(r) with x = n ln 2 + r, |r| <= ln 2 / 2, and Cephes' degree-7
- * polynomial for e^r (relative error ~2e-7 on float32); lanes below -87 give ~0, never NaN. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
 
-/* 16 bf16 values as float32 (exact). */
-static inline __m512 load_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* `size` floats (a multiple of 16) rounded to bf16, to nearest even, as torch rounds them. */
-static inline void store_bf16(const float *x, int64_t size, uint16_t *out) {
-    for (int64_t i = 0; i < size; i += 16)
-        _mm256_storeu_si256((__m256i *)(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
-}
-
-/* Lane c of the result = the sum of the 16 lanes of v[c] (a 16 x 16 transpose-and-add). */
-static inline __m512 sum16(const __m512 v[16]) {
-    __m512 w[8], x[4];
-    for (int i = 0; i < 8; i++) /* per 128-bit lane: v[2i] at positions 0, 2; v[2i + 1] at 1, 3 */
-        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) { /* per 128-bit lane: keys 4i .. 4i + 3 in order */
-        const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
-        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
+#ifdef HAVE_DENSE_KERNELS
+#include "stack_avx512.c" /* e^x, bf16 loads and stores, attention, the MLP's gate: AVX-512 */
+#else
+#include "stack_portable.c" /* the same in plain C */
+#endif
 
 /* One token's QKV row: its query and key heads normed (where the layer norms them) and rotated,
  * then its K and V into cache slot `slot`. */
@@ -882,141 +868,6 @@ static void rotate_and_store(const Model *model, const Layer *layer, float *row,
     } else {
         memcpy((float *)layer->keys + slot * kv_width, row + q_width, sizeof(float) * (size_t)kv_width);
         memcpy((float *)layer->values + slot * kv_width, row + q_width + kv_width, sizeof(float) * (size_t)kv_width);
-    }
-}
-
-/* 16 keys or values of a cache row from `offset`, as float32 (the cache holds bf16 or float32). */
-static inline __attribute__((always_inline)) __m512 load_kv(const void *row, int64_t offset, const int bf16) {
-    return bf16 ? load_bf16((const uint16_t *)row + offset) : _mm512_loadu_ps((const float *)row + offset);
-}
-
-/* o[h] = inverse[h] · Σ_c weights[h][c] · V[c] for `count` (<= 4) query heads of one KV group at
- * once, each value row (`vectors` (<= 8) × 16 dims at `values` + slot · `row_bytes`) read once; a
- * key all the heads weigh 0 (unseen) is skipped. Each head's sum runs over c in order, as alone;
- * head h's output starts at o + h · `head_stride`. */
-static inline __attribute__((always_inline)) void value_sums(const float *weights, int64_t context,
-                                                             const int64_t *slots, const char *values,
-                                                             int64_t row_bytes, const int64_t count,
-                                                             const int64_t vectors, const int bf16,
-                                                             const float *inverse, float *o,
-                                                             const int64_t head_stride) {
-    const int64_t dim = 16 * vectors;
-    __m512 acc[4][8];
-    for (int64_t h = 0; h < count; h++)
-        for (int64_t v = 0; v < vectors; v++) acc[h][v] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < context; c++) {
-        int any = 0;
-        for (int64_t h = 0; h < count; h++) any |= weights[h * context + c] != 0.0f;
-        if (!any) continue;
-        const char *value = values + slots[c] * row_bytes;
-        if (c + 8 < context)
-            for (int64_t b = 0; b < dim * (bf16 ? 2 : 4); b += 64) _mm_prefetch(values + slots[c + 8] * row_bytes + b, _MM_HINT_T0);
-        for (int64_t v = 0; v < vectors; v++) {
-            const __m512 x = load_kv(value, 16 * v, bf16);
-            for (int64_t h = 0; h < count; h++)
-                acc[h][v] = _mm512_fmadd_ps(_mm512_set1_ps(weights[h * context + c]), x, acc[h][v]);
-        }
-    }
-    for (int64_t h = 0; h < count; h++)
-        for (int64_t v = 0; v < vectors; v++)
-            _mm512_storeu_ps(o + h * head_stride + 16 * v, _mm512_mul_ps(acc[h][v], _mm512_set1_ps(inverse[h])));
-}
-
-/* out (T, H * D): each token's query heads over the keys it may see (`visible_rows`, (T, C)), one KV
- * head's group at a time (grouped-query attention without repeating K/V), for the `count` tokens
- * listed in `todo` (NULL: tokens 0 .. count - 1). Head sizes are multiples of 16 up to 256
- * (checked in Python); `scratch` holds a group's scores per thread (threads * group * C floats). */
-static inline __attribute__((always_inline)) void attention_impl(const Model *model, const Layer *layer,
-                                                                 const Step *step, const uint8_t *visible_rows,
-                                                                 const float *qkv, float *out, float *scratch,
-                                                                 const int64_t *todo, int64_t count,
-                                                                 const int bf16) {
-    const int64_t element = bf16 ? 2 : 4;
-    const char *keys = layer->keys, *values = layer->values;
-    const int64_t heads = model->heads, kv_heads = model->kv_heads, dim = model->head_dim;
-    const int64_t group = heads / kv_heads, width = (heads + 2 * kv_heads) * dim;
-    const int64_t kv_width = kv_heads * dim, context = step->context_len, vectors = dim / 16;
-#pragma omp parallel num_threads(step->threads)
-    {
-        float *scores = scratch + (int64_t)omp_get_thread_num() * group * context;
-#pragma omp for schedule(static, 1) collapse(2) /* round robin: a causal prompt's later tokens see more keys */
-        for (int64_t i = 0; i < count; i++) {
-            for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
-                const int64_t t = todo != NULL ? todo[i] : i;
-                const float *q = qkv + t * width + kvh * group * dim;
-                const int64_t *slots = step->context + step->sequence[t] * context;
-                const uint8_t *visible = visible_rows + t * context;
-                /* scores, 16 keys at a time: one product vector per key, summed across lanes
-                 * for all 16 at once (sum16); keys a token may not see score -inf */
-                for (int64_t c0 = 0; c0 < context; c0 += 16) {
-                    const int64_t span = context - c0 < 16 ? context - c0 : 16;
-                    const __mmask16 lanes = span == 16 ? 0xffff : (__mmask16)((1u << span) - 1);
-                    const __mmask16 seen = _mm_mask_cmpneq_epi8_mask(
-                        lanes, _mm_maskz_loadu_epi8(lanes, visible + c0), _mm_setzero_si128());
-                    if (seen == 0) { /* none visible (a causal prompt's later keys): no products */
-                        for (int64_t g = 0; g < group; g++)
-                            _mm512_mask_storeu_ps(scores + g * context + c0, lanes, _mm512_set1_ps(-INFINITY));
-                        continue;
-                    }
-                    if (c0 + 16 < context)
-                        for (int64_t c = c0 + 16; c < c0 + 32 && c < context; c++)
-                            _mm_prefetch(keys + (slots[c] * kv_width + kvh * dim) * element, _MM_HINT_T0);
-                    const char *key[16];
-                    for (int64_t c = 0; c < 16; c++)
-                        key[c] = keys + (slots[c0 + (c < span ? c : 0)] * kv_width + kvh * dim) * element;
-                    for (int64_t g = 0; g < group; g++) {
-                        const float *qg = q + g * dim;
-                        __m512 products[16];
-                        for (int64_t c = 0; c < 16; c++) {
-                            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), load_kv(key[c], 0, bf16));
-                            for (int64_t v = 1; v < vectors; v++)
-                                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), load_kv(key[c], 16 * v, bf16), acc);
-                            products[c] = acc;
-                        }
-                        const __m512 sums = _mm512_mul_ps(sum16(products), _mm512_set1_ps(model->scale));
-                        _mm512_mask_storeu_ps(scores + g * context + c0, lanes,
-                                              _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), sums));
-                    }
-                }
-                float *o = out + t * heads * dim + kvh * group * dim;
-                float inverse[group];
-                for (int64_t g = 0; g < group; g++) {
-                    float *row = scores + g * context;
-                    __m512 top = _mm512_set1_ps(-INFINITY);
-                    for (int64_t c = 0; c < context; c += 16) {
-                        const __mmask16 lanes = context - c >= 16 ? 0xffff : (__mmask16)((1u << (context - c)) - 1);
-                        top = _mm512_mask_max_ps(top, lanes, top, _mm512_maskz_loadu_ps(lanes, row + c));
-                    }
-                    const float best = _mm512_reduce_max_ps(top);
-                    /* softmax numerators in place; masked keys (-inf) become exactly 0 */
-                    __m512 total = _mm512_setzero_ps();
-                    for (int64_t c = 0; c < context; c += 16) {
-                        const __mmask16 lanes = context - c >= 16 ? 0xffff : (__mmask16)((1u << (context - c)) - 1);
-                        const __m512 x = _mm512_maskz_loadu_ps(lanes, row + c);
-                        const __mmask16 seen = _mm512_mask_cmp_ps_mask(lanes, x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-                        const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, _mm512_set1_ps(best))));
-                        _mm512_mask_storeu_ps(row + c, lanes, e);
-                        total = _mm512_add_ps(total, e);
-                    }
-                    inverse[g] = 1.0f / _mm512_reduce_add_ps(total);
-                }
-                const char *head_values = values + kvh * dim * element;
-                for (int64_t g = 0; g < group; g += 4) { /* each value row read once for up to 4 heads */
-                    const int64_t count = group - g < 4 ? group - g : 4;
-                    const float *weights = scores + g * context;
-                    if (vectors == 4 && count == 3)
-                        value_sums(weights, context, slots, head_values, kv_width * element, 3, 4, bf16, inverse + g,
-                                   o + g * dim, dim);
-                    else if (vectors == 4)
-                        value_sums(weights, context, slots, head_values, kv_width * element, count, 4, bf16, inverse + g,
-                                   o + g * dim, dim);
-                    else /* 128 dims (8 vectors of accumulators per head) at a time */
-                        for (int64_t v0 = 0; v0 < vectors; v0 += 8)
-                            value_sums(weights, context, slots, head_values + 16 * v0 * element, kv_width * element, count,
-                                       vectors - v0 < 8 ? vectors - v0 : 8, bf16, inverse + g, o + g * dim + 16 * v0, dim);
-                }
-            }
-        }
     }
 }
 
@@ -1289,26 +1140,6 @@ static void attention(const Model *model, const Layer *layer, const Step *step, 
     else attention_impl(model, layer, step, visible, qkv, out, scratch, listed, count, 0);
 }
 
-/* out[i] = act(gate[i]) * up[i] for one token's MLP (`size` a multiple of 16), act SiLU or GELU
- * with the tanh approximation, 0.5 g (1 + tanh(√(2/π) (g + 0.044715 g³))), as torch's "tanh" GELU. */
-static void gated_activation(int64_t activation, const float *gate, const float *up, int64_t size, float *out) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (int64_t i = 0; i < size; i += 16) {
-        const __m512 g = _mm512_loadu_ps(gate + i);
-        __m512 a;
-        if (activation == GELU_TANH) { /* tanh(u) = 1 - 2 / (e^2u + 1) */
-            const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
-                                           _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), g), _mm512_mul_ps(g, g), g));
-            const __m512 e = exp16(_mm512_add_ps(u, u));
-            const __m512 tanh = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
-            a = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), _mm512_add_ps(one, tanh));
-        } else {
-            a = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-        }
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(a, _mm512_loadu_ps(up + i)));
-    }
-}
-
 /* Token `token`'s embedding row (E) as float32, times the model's embedding scale. */
 static void embed(const Model *model, int64_t token, float *row) {
     const Matrix *table = &model->embedding;
@@ -1317,8 +1148,9 @@ static void embed(const Model *model, int64_t token, float *row) {
         int64_t type;
         const uint8_t *source = source_row((const BlockMatrix *)table->weight, token, &type);
         dequantise_row(type, source, e, row);
-    } else if (table->kind == BF16) { /* (E is a multiple of 32: `_described`) */
-        for (int64_t i = 0; i < e; i += 16) _mm512_storeu_ps(row + i, load_bf16((const uint16_t *)table->weight + token * e + i));
+    } else if (table->kind == BF16) {
+        const uint16_t *source = (const uint16_t *)table->weight + token * e;
+        for (int64_t i = 0; i < e; i++) row[i] = bf16_value(source[i]);
     } else if (table->kind == FP32_INPUT_MAJOR) {
         for (int64_t i = 0; i < e; i++) row[i] = ((const float *)table->weight)[i * v + token];
     } else {
@@ -1412,20 +1244,3 @@ done:
     return status;
 }
 
-#else
-
-int polylane_forward(const Model *model, const Step *step, float *logits) {
-    (void)model, (void)step, (void)logits;
-    return -2;
-}
-
-int polylane_matmul(const Matrix *w, const float *x, int64_t rows, float *y, int threads, int prompt) {
-    (void)w, (void)x, (void)rows, (void)y, (void)threads, (void)prompt;
-    return -2;
-}
-
-int polylane_kernel(void) { return 0; }
-
-void polylane_use_amx(int on) { (void)on; }
-
-#endif

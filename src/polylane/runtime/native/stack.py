@@ -1,9 +1,9 @@
 """A Llama/Qwen2/Gemma 3 model's whole layer stack in one native call (decoder.c), and when it runs.
 
 What this module owns: deciding whether a loaded model can run natively (Llama-style or Gemma 3
-blocks, projections int4, int8, bf16 or float32 with output rows in blocks of 64 — or a GGUF file's own
-blocks in place (`runtime.block_weights`, any row count) — a C compiler and a CPU
-with AVX512-BF16 and VBMI), describing its weights to the C code once (`NativeStack.build`, called
+blocks and a C compiler; projections a GGUF file's own blocks in place (`runtime.block_weights`, any
+row count) on every CPU, or int4, int8, bf16 or float32 with output rows in blocks of 64 on a CPU
+with AVX512-BF16 and VBMI, whose dense kernels they need), describing its weights to the C code once (`NativeStack.build`, called
 by `load_model`), and, per forward, the index arrays the C code reads (which slots each token
 writes and reads, which keys it may see, in sliding layers too). `DecoderModel.forward` asks
 `NativeStack.forward` first; a None answer (a batch of many tokens, a cache off the CPU) means the
@@ -72,6 +72,8 @@ RUN_ROWS = 16
 # The C attention sums a head's output in registers, 16 floats each, 128 dims at a time.
 MAX_HEAD_DIM = 256
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+DENSE_KERNELS_NEED = "the dense kernels need AVX512-BF16 and AVX512-VBMI"
 
 _pointer = ctypes.c_void_p
 
@@ -155,9 +157,9 @@ KERNELS = {1: "avx512-bf16", 2: "amx"}
 
 
 def library() -> ctypes.CDLL | None:
-    """The native kernels, or None where they cannot run (no compiler, no AVX512-BF16/VBMI)."""
+    """The native stack's library, or None where it cannot run (no compiler, kernels turned off)."""
     lib = load_library("decoder")
-    if lib is None or not lib.polylane_supported():
+    if lib is None:
         return None
     lib.polylane_forward.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Step), _pointer]
     lib.polylane_forward.restype = ctypes.c_int
@@ -175,7 +177,8 @@ def library() -> ctypes.CDLL | None:
 
 
 def kernel_name() -> str | None:
-    """'amx' or 'avx512-bf16': the matrix kernel the native stack runs here; None without one."""
+    """'amx' or 'avx512-bf16': the kernel the native stack multiplies dense weights (int4, int8, bf16,
+    float32) with here; None where it has none (no AVX512-BF16/VBMI: GGUF blocks only)."""
     lib = library()
     return None if lib is None else KERNELS.get(lib.polylane_kernel())
 
@@ -226,6 +229,8 @@ def describe(projection: nn.Module, keep: list[torch.Tensor]) -> Matrix:
 
     if isinstance(projection, BlockProjection | BlockEmbedding):
         return _blocks_matrix(projection)
+    if kernel_name() is None:
+        raise ValueError(f"no native kernel for {type(projection).__name__} here: {DENSE_KERNELS_NEED}")
     if isinstance(projection, QuantizedProjection):
         qweight, bias = projection.qweight.contiguous(), projection.bias
         if projection.bits == 8:  # (N, K) int8 and a float32 scale per output row
@@ -287,6 +292,8 @@ def _embedding_matrix(model: DecoderModel, keep: list[torch.Tensor]) -> Matrix:
     tied float32 columns (hidden, vocab), or a GGUF tensor's blocks."""
     if isinstance(model.embed_tokens, BlockEmbedding):
         return _blocks_matrix(model.embed_tokens)
+    if kernel_name() is None:  # (a tied table is also the output matrix: dense kernels)
+        raise ValueError(f"no native kernel for a dense embedding here: {DENSE_KERNELS_NEED}")
     if model.vocab_columns is not None:
         return _weight_matrix(model.vocab_columns, None, True, keep)
     return _weight_matrix(model.embed_tokens.weight, None, False, keep)
