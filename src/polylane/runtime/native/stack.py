@@ -1,14 +1,14 @@
 """A Llama/Qwen2/Gemma 3 model's whole layer stack in one native call (decoder.c), and when it runs.
 
 What this module owns: deciding whether a loaded model can run natively (Llama-style or Gemma 3
-blocks and a C compiler; projections a GGUF file's own blocks in place (`runtime.block_weights`, any
-row count) on every CPU, or int4, int8, bf16 or float32 with output rows in blocks of 64 on a CPU
-with AVX512-BF16 and VBMI, whose dense kernels they need), describing its weights to the C code once (`NativeStack.build`, called
-by `load_model`), and, per forward, the index arrays the C code reads (which slots each token
-writes and reads, which keys it may see, in sliding layers too). `DecoderModel.forward` asks
-`NativeStack.forward` first; a None answer (a batch of many tokens, a cache off the CPU) means the
-torch path runs. Boundary states (the hidden state entering a layer that a peer model shares up to)
-are recorded as torch records them.
+blocks and a C compiler; projections a GGUF file's own blocks in place (`runtime.block_weights`,
+any row count) on every CPU, or int4, int8, bf16 or float32 with output rows in blocks of 64 on a
+CPU with AVX512-BF16 and VBMI, whose dense kernels they need), describing its weights to the C
+code once (`NativeStack.build`, called by `load_model`), and, per forward, the index arrays the C
+code reads (which slots each token writes and reads, which keys it may see, in sliding layers
+too). `DecoderModel.forward` asks `NativeStack.forward` first; a None answer (a batch of many
+tokens, a cache off the CPU) means the torch path runs. Boundary states (the hidden state entering
+a layer that a peer model shares up to) are recorded as torch records them.
 
 The C code computes each token independently of the others in its batch (see its header), so a
 decode step and a verify pass agree exactly; a prompt chunk of 16+ tokens takes the AMX prompt
