@@ -1,12 +1,13 @@
 """One forward step, native stack against the torch path, side by side in one run.
 
-Run:  python bench/native_step.py [--model smollm2-135m-instruct] [--dtype int4|int8|bf16|fp32]
+Run:  python bench/native_step.py [--model smollm2-135m-instruct] [--dtype int4|auto|...]
       [--batch 1 8] [--context 64 400] [--threads 2] [--steps 40] [--prefill 127 383]
       [--prompts 1]
 
 Loads the model and times the bare forward (no engine) of a decode step — --batch sequences, one
 new token each, after --context tokens — median of --steps steps, for: the native stack with its
-AMX kernel (where the CPU has AMX), with its AVX512-BF16 kernel, and the torch path
+AMX kernel (where the CPU has AMX), with its AVX512-BF16 kernel (a GGUF file's blocks, dtype auto:
+the native stack as built here, "native"), and the torch path
 (`module.native_stack` set aside), all on the same KV cache. Also a prefill forward of --prefill
 tokens (127 and 383) where the native stack takes that many: --prompts sequences of that many
 tokens each in one forward (tokens/s counts them all). Prints a table and, last, one JSON line.
@@ -25,7 +26,7 @@ from polylane.runtime.batch import build_forward_batch
 from polylane.runtime.kv_cache import PagedKVCache
 from polylane.runtime.loaded_model import load_model
 from polylane.runtime.native import stack as native
-from polylane.types import SequenceChunk
+from polylane.types import WEIGHT_DTYPES, SequenceChunk
 
 BLOCK = 16
 
@@ -45,7 +46,7 @@ def time_step(module, cache, chunks, steps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="int4", choices=["int4", "int8", "bf16", "fp32"])
+    parser.add_argument("--dtype", default="int4", choices=WEIGHT_DTYPES)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--context", type=int, nargs="+", default=[64, 400])
     parser.add_argument("--threads", type=int, default=2)
@@ -58,8 +59,9 @@ def main() -> None:
     module, lib = model.module, native.library()
     stack = module.native_stack
     if stack is None or lib is None:
-        raise SystemExit("the native stack does not run here (no compiler or no AVX512-BF16)")
-    kernels = ["amx", "avx512-bf16"] if native.kernel_name() == "amx" else ["avx512-bf16"]
+        raise SystemExit(f"the native stack does not run this model here: {model.compute_path}")
+    kernel = native.kernel_name()
+    kernels = ["amx", "avx512-bf16"] if kernel == "amx" else [kernel or "native"]
     systems = [*kernels, "torch"]
 
     def run(system: str, measure, *arguments):

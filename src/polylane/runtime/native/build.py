@@ -47,7 +47,7 @@ def portable() -> bool:
 
 def compile_flags() -> tuple[str, ...]:
     march = os.environ.get(MARCH_ENV, "").strip() or "native"
-    flags = ("-O3", f"-march={march}", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+    flags = ("-O3", f"-march={march}", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
     return (*flags, "-DPOLYLANE_PORTABLE") if portable() else flags
 
 

@@ -38,38 +38,31 @@ static inline void store_bf16(const float *x, int64_t size, uint16_t *out) {
     }
 }
 
-/* q · key over `dim` values, the key bf16 or float32. */
-static inline float key_dot(const float *q, const void *key, int64_t dim, const int bf16) {
-    float sum = 0.0f;
+/* A cache row's `dim` values (bf16 or float32) as float32. */
+static inline void load_row(const void *row, int64_t dim, const int bf16, float *out) {
     if (bf16) {
-        const uint16_t *k = key;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t d = 0; d < dim; d++) sum += q[d] * bf16_value(k[d]);
+        const uint16_t *v = row;
+        for (int64_t d = 0; d < dim; d++) out[d] = bf16_value(v[d]);
     } else {
-        const float *k = key;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t d = 0; d < dim; d++) sum += q[d] * k[d];
+        memcpy(out, row, sizeof(float) * (size_t)dim);
     }
-    return sum;
 }
 
-/* o += weight · value over `dim` values, the value bf16 or float32. */
-static inline void add_weighted(float *o, float weight, const void *value, int64_t dim, const int bf16) {
-    if (bf16) {
-        const uint16_t *v = value;
-#pragma omp simd
-        for (int64_t d = 0; d < dim; d++) o[d] += weight * bf16_value(v[d]);
-    } else {
-        const float *v = value;
-#pragma omp simd
-        for (int64_t d = 0; d < dim; d++) o[d] += weight * v[d];
-    }
+/* q · k over `dim` (a multiple of 8) values: eight running sums, then added pairwise, in one order
+ * whatever the batch (the compiler keeps the eight sums in one vector register). */
+static inline float dot(const float *q, const float *k, int64_t dim) {
+    float lanes[8] = {0.0f};
+    for (int64_t d = 0; d < dim; d += 8)
+        for (int l = 0; l < 8; l++) lanes[l] += q[d + l] * k[d + l];
+    return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
 }
 
 /* out (T, H * D): each token's query heads over the keys it may see (`visible_rows`, (T, C)), one KV
  * head's group at a time (grouped-query attention without repeating K/V), for the `count` tokens
  * listed in `todo` (NULL: tokens 0 .. count - 1); `scratch` holds a group's scores per thread
- * (threads * group * C floats). Per head: scores, softmax, then the value rows in key order. */
+ * (threads * group * C floats). Per KV head: every seen key (read and widened once) scored against
+ * the group's heads, the softmax, then every value row (read once) added into the heads' outputs
+ * in key order. Head sizes are multiples of 16 up to 256 (checked in Python). */
 static void attention_impl(const Model *model, const Layer *layer, const Step *step, const uint8_t *visible_rows,
                            const float *qkv, float *out, float *scratch, const int64_t *todo, int64_t count,
                            const int bf16) {
@@ -81,6 +74,7 @@ static void attention_impl(const Model *model, const Layer *layer, const Step *s
 #pragma omp parallel num_threads(step->threads)
     {
         float *scores = scratch + (int64_t)omp_get_thread_num() * group * context;
+        float row[256];
 #pragma omp for schedule(static, 1) collapse(2) /* round robin: a causal prompt's later tokens see more keys */
         for (int64_t i = 0; i < count; i++) {
             for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
@@ -89,26 +83,36 @@ static void attention_impl(const Model *model, const Layer *layer, const Step *s
                 const int64_t *slots = step->context + step->sequence[t] * context;
                 const uint8_t *visible = visible_rows + t * context;
                 float *o = out + t * heads * dim + kvh * group * dim;
-                for (int64_t c = 0; c < context; c++) { /* each key read once for the group's heads */
-                    const char *key = visible[c] ? keys + (slots[c] * kv_width + kvh * dim) * element : NULL;
-                    for (int64_t g = 0; g < group; g++)
-                        scores[g * context + c] = key ? key_dot(q + g * dim, key, dim, bf16) * model->scale : -INFINITY;
-                }
-                for (int64_t g = 0; g < group; g++) { /* softmax numerators in place; unseen keys exactly 0 */
-                    float *row = scores + g * context, best = -INFINITY, total = 0.0f;
-                    for (int64_t c = 0; c < context; c++) best = row[c] > best ? row[c] : best;
-                    for (int64_t c = 0; c < context; c++) {
-                        row[c] = visible[c] ? exp_approx(row[c] - best) : 0.0f;
-                        total += row[c];
+                for (int64_t c = 0; c < context; c++) {
+                    if (!visible[c]) {
+                        for (int64_t g = 0; g < group; g++) scores[g * context + c] = -INFINITY;
+                        continue;
                     }
-                    const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
-                    memset(o + g * dim, 0, sizeof(float) * (size_t)dim);
-                    for (int64_t c = 0; c < context; c++)
-                        if (row[c] != 0.0f)
-                            add_weighted(o + g * dim, row[c], values + (slots[c] * kv_width + kvh * dim) * element, dim,
-                                         bf16);
-                    for (int64_t d = 0; d < dim; d++) o[g * dim + d] *= inverse;
+                    load_row(keys + (slots[c] * kv_width + kvh * dim) * element, dim, bf16, row);
+                    for (int64_t g = 0; g < group; g++) scores[g * context + c] = dot(q + g * dim, row, dim) * model->scale;
                 }
+                float inverse[group];
+                for (int64_t g = 0; g < group; g++) { /* softmax numerators in place; unseen keys exactly 0 */
+                    float *weights = scores + g * context, best = -INFINITY, total = 0.0f;
+                    for (int64_t c = 0; c < context; c++) best = weights[c] > best ? weights[c] : best;
+                    for (int64_t c = 0; c < context; c++) {
+                        weights[c] = weights[c] == -INFINITY ? 0.0f : exp_approx(weights[c] - best);
+                        total += weights[c];
+                    }
+                    inverse[g] = total > 0.0f ? 1.0f / total : 0.0f;
+                }
+                memset(o, 0, sizeof(float) * (size_t)(group * dim));
+                for (int64_t c = 0; c < context; c++) {
+                    if (!visible[c]) continue;
+                    load_row(values + (slots[c] * kv_width + kvh * dim) * element, dim, bf16, row);
+                    for (int64_t g = 0; g < group; g++) {
+                        const float weight = scores[g * context + c];
+                        float *head = o + g * dim;
+                        for (int64_t d = 0; d < dim; d++) head[d] += weight * row[d];
+                    }
+                }
+                for (int64_t g = 0; g < group; g++)
+                    for (int64_t d = 0; d < dim; d++) o[g * dim + d] *= inverse[g];
             }
         }
     }
