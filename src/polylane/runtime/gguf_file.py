@@ -9,6 +9,7 @@ key/value pairs, the tensor infos, padding to `general.alignment`, then the tens
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import struct
 from dataclasses import dataclass
@@ -171,6 +172,8 @@ class GGUFFile:
                 )
             self.tensors[name] = GGUFTensorInfo(name, tuple(reversed(dims)), type_id, start, num_bytes)
         self._data = np.memmap(self.path, dtype=np.uint8, mode="r") if self.tensors else None
+        if self._data is not None:
+            _ask_for_huge_pages(self._data)
 
     def read(self, name: str) -> np.ndarray:
         """Tensor `name` dequantised to float32, in numpy order (out × in)."""
@@ -194,3 +197,19 @@ class GGUFFile:
         import gguf
 
         return gguf.GGMLQuantizationType(self.tensors[name].type_id).name
+
+
+def _ask_for_huge_pages(data: np.memmap) -> None:
+    """Ask the kernel to map the file's tensors with 2 MiB pages where it can (Linux, transparent
+    huge pages in `madvise` or `always` mode, a file system with large folios such as ext4 or xfs):
+    a page cache read through this mapping fills 2 MiB folios, and they are mapped whole. Products
+    that stream every weight once per token miss the TLB at every 4 KiB page otherwise: Qwen2.5-Coder
+    1.5B's one-token products took 40.4 ms over 4 KiB pages, 34.4 ms over 2 MiB ones (AMD EPYC Zen 4,
+    `bench/page_size.py`). Pages already cached in small folios stay small until the cache drops
+    them. Nothing changes where the advice is not supported."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    view = getattr(data, "_mmap", None)
+    if advice is None or view is None:
+        return
+    with contextlib.suppress(OSError):  # (a kernel without transparent huge pages)
+        view.madvise(advice)
