@@ -656,6 +656,15 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
                     for (int64_t r = 0; r < count; r++) y[n0 + r] = w->bias ? totals[r] + w->bias[n0 + r] : totals[r];
                     continue;
                 }
+                if (rows < WHOLE_ROWS_BELOW && decodes_tile(types, count)) { /* (then m0 = 0, m1 = rows) */
+                    CodedActivations a[WHOLE_ROWS_BELOW];
+                    for (int64_t row = 0; row < rows; row++) a[row] = activation_layout(activations + (size_t)row * x_bytes, k);
+                    decode_tile_rows(types, sources, count, k, a, rows, y + n0, n_total);
+                    if (w->bias)
+                        for (int64_t row = 0; row < rows; row++)
+                            for (int64_t r = 0; r < count; r++) y[row * n_total + n0 + r] += w->bias[n0 + r];
+                    continue;
+                }
                 memset(sums, 0, (size_t)(m1 - m0) * sizeof(TileSums));
                 for (int64_t r = 0; r < TILE_ROWS; r++)
                     for (int64_t g = k / GROUP; g < m_ld; g++) m[r * m_ld + g] = 0.0f;

@@ -66,13 +66,12 @@ static inline __m256 small_block_offsets(int64_t type, const uint8_t *row, int c
 
 #define DECODE_LANES __m512
 
-/* One span (256 codes from column c) of a row of `type` dotted with the activation row, added to
-   `lanes`: four natural-order dot products of 64 codes, their group sums in lane order
-   (group_sums), then the coded path's two multiply-adds with the scales permuted to lane order. */
-static inline __attribute__((always_inline)) __m512 decode_span(int64_t type, const uint8_t *row, int64_t c, int64_t k, const CodedActivations *x, __m512 lanes) {
+/* One span (256 codes from column c) of a row of `type`, unpacked in registers: four natural-order
+   pieces of 64 codes (zero past a short row's end), and the groups' d in lane order and m in natural
+   order, as coded_tile_step reads them. */
+static inline __attribute__((always_inline)) void span_codes(int64_t type, const uint8_t *row, int64_t c, int64_t k,
+                                                             __m512i codes[4], __m512 *scale_out, __m512 *offset_out) {
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    const int64_t g = c / GROUP;
-    __m512i sums[4];
     __m512 scale, offset;
     if (type == GGML_Q4_K) {
         const uint8_t *block = row + c / 256 * 144;
@@ -80,8 +79,7 @@ static inline __attribute__((always_inline)) __m512 decode_span(int64_t type, co
         const __m512i nibble_shift = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
         for (int p = 0; p < 4; p++) {
             const __m512i packed = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(block + 16 + 32 * p)));
-            sums[p] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(_mm512_srlv_epi16(packed, nibble_shift), low4),
-                                          _mm512_loadu_si512(x->q + c + 64 * p));
+            codes[p] = _mm512_and_si512(_mm512_srlv_epi16(packed, nibble_shift), low4);
         }
         /* 16 floats: sub-block scales in 0–7, offsets in 8–15; lane n's group is LANE_GROUPS[n] */
         const __m512 factors = _mm512_insertf32x8(_mm512_set1_ps(half_at(block)), _mm256_set1_ps(-half_at(block + 2)), 1);
@@ -99,8 +97,7 @@ static inline __attribute__((always_inline)) __m512 decode_span(int64_t type, co
             const __m512i low = _mm512_and_si512(p % 2 ? _mm512_srli_epi16(low_bytes, 4) : low_bytes, low4);
             const __m512i high = _mm512_and_si512(
                 _mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qh)), high_shift[p % 2]), _mm512_set1_epi8(3));
-            sums[p] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_or_si512(low, _mm512_slli_epi16(high, 4)),
-                                          _mm512_loadu_si512(x->q + c + 64 * p));
+            codes[p] = _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
         }
         const __m512 group_scale = _mm512_mul_ps(_mm512_set1_ps(half_at(block + 208)),
                                                  _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 192)))));
@@ -112,15 +109,15 @@ static inline __attribute__((always_inline)) __m512 decode_span(int64_t type, co
         const int count = k - c >= 256 ? 8 : (int)((k - c) / 32);
         for (int p = 0; p < 4; p++) {
             if (2 * p >= count) {
-                sums[p] = _mm512_setzero_si512();
+                codes[p] = _mm512_setzero_si512();
                 continue;
             }
             const uint8_t *first = block + 2 * p * bytes, *second = first + bytes;
             const int both = 2 * p + 1 < count;
-            __m512i codes;
+            __m512i piece;
             if (type == GGML_Q8_0) {
                 const __m256i high = both ? _mm256_loadu_si256((const __m256i *)(second + 2)) : _mm256_set1_epi8((char)0x80);
-                codes = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(first + 2))), high, 1),
+                piece = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(first + 2))), high, 1),
                                          _mm512_set1_epi8((char)0x80));
             } else { /* the two blocks' 16 nibble bytes, each twice: [first, first, second, second] */
                 const int nibbles = nibble_offset(type);
@@ -128,16 +125,16 @@ static inline __attribute__((always_inline)) __m512 decode_span(int64_t type, co
                                                                     both ? (__mmask16)0xFF00 : 0,
                                                                     _mm_loadu_si128((const __m128i *)(both ? second + nibbles : first + nibbles)));
                 const __m512i nibble_shift = _mm512_setr_epi64(0, 0, 0x0004000400040004, 0x0004000400040004, 0, 0, 0x0004000400040004, 0x0004000400040004);
-                codes = _mm512_and_si512(_mm512_srlv_epi16(doubled, nibble_shift), low4);
+                piece = _mm512_and_si512(_mm512_srlv_epi16(doubled, nibble_shift), low4);
                 if (type == GGML_Q5_0) { /* the fifth bits: bit j of a block's qh is its code j's */
                     uint32_t high_first, high_second = 0;
                     memcpy(&high_first, first + 2, 4);
                     if (both) memcpy(&high_second, second + 2, 4);
-                    codes = _mm512_or_si512(codes, _mm512_maskz_mov_epi8(((__mmask64)high_second << 32) | high_first, _mm512_set1_epi8(0x10)));
+                    piece = _mm512_or_si512(piece, _mm512_maskz_mov_epi8(((__mmask64)high_second << 32) | high_first, _mm512_set1_epi8(0x10)));
                 }
-                if (!both) codes = _mm512_maskz_mov_epi8(0x00000000FFFFFFFFull, codes);
+                if (!both) piece = _mm512_maskz_mov_epi8(0x00000000FFFFFFFFull, piece);
             }
-            sums[p] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, _mm512_loadu_si512(x->q + c + 64 * p));
+            codes[p] = piece;
         }
         /* each block's first 32-bit word: d in its low half (Q4_1: m in its high half) */
         const __m256i words = _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), (__mmask8)((1u << count) - 1),
@@ -151,8 +148,39 @@ static inline __attribute__((always_inline)) __m512 decode_span(int64_t type, co
         offset = _mm512_maskz_permutexvar_ps((__mmask16)((1u << (2 * count)) - 1),
                                              _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm512_castps256_ps512(m));
     }
+    *scale_out = scale;
+    *offset_out = offset;
+}
+
+/* One span of a row dotted with the activation row, added to `lanes`: four natural-order dot
+   products of 64 codes, their group sums in lane order (group_sums), then the coded path's two
+   multiply-adds. */
+static inline __attribute__((always_inline)) __m512 decode_span(int64_t type, const uint8_t *row, int64_t c, int64_t k, const CodedActivations *x, __m512 lanes) {
+    __m512i codes[4], sums[4];
+    __m512 scale, offset;
+    span_codes(type, row, c, k, codes, &scale, &offset);
+    for (int p = 0; p < 4; p++) sums[p] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[p], _mm512_loadu_si512(x->q + c + 64 * p));
+    const int64_t g = c / GROUP;
     lanes = _mm512_fmadd_ps(_mm512_cvtepi32_ps(group_sums(sums)), _mm512_mul_ps(scale, _mm512_loadu_ps(x->scale + g)), lanes);
     return _mm512_fmadd_ps(offset, _mm512_loadu_ps(x->group_sum + g), lanes);
+}
+
+/* One span of a row dotted with `count` activation rows, each added to its `lanes`: the codes
+   unpacked once and put in lane layout in registers, then per activation row coded_tile_step's
+   operations (dot products with its lane-layout codes, the two multiply-adds). */
+static inline __attribute__((always_inline)) void decode_span_rows(int64_t type, const uint8_t *row, int64_t c, int64_t k,
+                                                                   const CodedActivations *x, int count, __m512 *lanes) {
+    __m512i codes[4];
+    __m512 scale, offset;
+    span_codes(type, row, c, k, codes, &scale, &offset);
+    transpose_words(codes);
+    const int64_t g = c / GROUP;
+    for (int j = 0; j < count; j++) {
+        __m512i sum = _mm512_setzero_si512();
+        for (int p = 0; p < 4; p++) sum = _mm512_dpbusd_epi32(sum, codes[p], _mm512_loadu_si512(x[j].lanes + c + 64 * p));
+        lanes[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_loadu_ps(x[j].scale + g)), lanes[j]);
+        lanes[j] = _mm512_fmadd_ps(offset, _mm512_loadu_ps(x[j].group_sum + g), lanes[j]);
+    }
 }
 
 static inline float decode_total(__m512 lanes) { return _mm512_reduce_add_ps(lanes); }
@@ -184,25 +212,19 @@ static inline __m256i small_block_codes(int64_t type, const uint8_t *block) {
     }
 }
 
-/* The four natural-order pieces of 32 codes of an AVX2 span (vpmaddubsw, vpmaddwd by ones). */
-static inline __m256i piece_sums(__m256i codes, const CodedActivations *x, int64_t i) {
-    const __m256i pairs = _mm256_maddubs_epi16(codes, _mm256_loadu_si256((const __m256i *)(x->q + i)));
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-}
-
-/* One span (128 codes from column c) as on VNNI, with AVX2's pieces. */
-static inline __attribute__((always_inline)) __m256 decode_span(int64_t type, const uint8_t *row, int64_t c, int64_t k, const CodedActivations *x, __m256 lanes) {
+/* One span (128 codes from column c) unpacked as on VNNI, in four natural-order pieces of 32 codes
+   (Q8_0's signed, as simd_code_row keeps them on AVX2). */
+static inline __attribute__((always_inline)) void span_codes(int64_t type, const uint8_t *row, int64_t c, int64_t k,
+                                                             __m256i codes[4], __m256 *scale_out, __m256 *offset_out) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
-    const int64_t g = c / GROUP;
-    __m256i sums[4];
     __m256 scale, offset;
     if (type == GGML_Q4_K) { /* span h = (c / 128) % 2 of the super-block: sub-blocks 4h..4h+3 */
         const uint8_t *block = row + c / 256 * 144;
         const int h = (int)(c / 128 % 2);
         for (int p = 0; p < 2; p++) {
             const __m256i bytes = _mm256_loadu_si256((const __m256i *)(block + 16 + 64 * h + 32 * p));
-            sums[2 * p] = piece_sums(_mm256_and_si256(bytes, low4), x, c + 64 * p);
-            sums[2 * p + 1] = piece_sums(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4), x, c + 64 * p + 32);
+            codes[2 * p] = _mm256_and_si256(bytes, low4);
+            codes[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
         }
         const __m128i packed = k4_scale_bytes(block);
         const __m256 scales = _mm256_mul_ps(_mm256_set1_ps(half_at(block)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
@@ -220,7 +242,7 @@ static inline __attribute__((always_inline)) __m256 decode_span(int64_t type, co
             const __m256i low = q & 1 ? low_b : low_a;
             const __m256i nibble = _mm256_and_si256(q < 2 ? low : _mm256_srli_epi16(low, 4), low4);
             const __m256i top = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(2 * q)), low2), 4);
-            sums[q] = piece_sums(_mm256_or_si256(nibble, top), x, c + 32 * q);
+            codes[q] = _mm256_or_si256(nibble, top);
         }
         const __m256 group_scale = _mm256_mul_ps(
             _mm256_set1_ps(half_at(block + 208)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(block + 192 + 8 * half)))));
@@ -231,17 +253,7 @@ static inline __attribute__((always_inline)) __m256 decode_span(int64_t type, co
         const uint8_t *block = row + c / 32 * bytes;
         const int count = k - c >= 128 ? 4 : (int)((k - c) / 32);
         for (int t = 0; t < 4; t++) {
-            if (t >= count) {
-                sums[t] = _mm256_setzero_si256();
-                continue;
-            }
-            const __m256i w = small_block_codes(type, block + t * bytes);
-            if (type == GGML_Q8_0) { /* signed, as coded_tile_step takes Q8_0 rows */
-                const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->q + c + 32 * t));
-                sums[t] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xq, w)), _mm256_set1_epi16(1));
-            } else {
-                sums[t] = piece_sums(w, x, c + 32 * t);
-            }
+            codes[t] = t < count ? small_block_codes(type, block + t * bytes) : _mm256_setzero_si256();
         }
         const __m256 d = small_block_halves(block, bytes, count, 0), m = small_block_offsets(type, block, count, d);
         const __m256 present = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(2 * count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
@@ -249,8 +261,45 @@ static inline __attribute__((always_inline)) __m256 decode_span(int64_t type, co
         scale = _mm256_permutevar8x32_ps(d, _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3));
         offset = _mm256_and_ps(_mm256_permutevar8x32_ps(m, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)), present);
     }
+    *scale_out = scale;
+    *offset_out = offset;
+}
+
+/* Four codes' sums per 32-bit lane of 32 codes times 32 activations (vpmaddubsw, vpmaddwd by ones):
+   unsigned codes as they are, Q8_0's signed ones by magnitude times the activations with their
+   signs (coded_tile_step's operations). */
+static inline __m256i piece_dot(int64_t type, __m256i codes, __m256i xq) {
+    const __m256i pairs = type == GGML_Q8_0 ? _mm256_maddubs_epi16(_mm256_abs_epi8(codes), _mm256_sign_epi8(xq, codes))
+                                            : _mm256_maddubs_epi16(codes, xq);
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+/* One span of a row dotted with the activation row, added to `lanes`, as on VNNI. */
+static inline __attribute__((always_inline)) __m256 decode_span(int64_t type, const uint8_t *row, int64_t c, int64_t k, const CodedActivations *x, __m256 lanes) {
+    __m256i codes[4], sums[4];
+    __m256 scale, offset;
+    span_codes(type, row, c, k, codes, &scale, &offset);
+    for (int p = 0; p < 4; p++) sums[p] = piece_dot(type, codes[p], _mm256_loadu_si256((const __m256i *)(x->q + c + 32 * p)));
+    const int64_t g = c / GROUP;
     lanes = _mm256_fmadd_ps(_mm256_cvtepi32_ps(group_sums(sums)), _mm256_mul_ps(scale, _mm256_loadu_ps(x->scale + g)), lanes);
     return _mm256_fmadd_ps(offset, _mm256_loadu_ps(x->group_sum + g), lanes);
+}
+
+/* One span of a row dotted with `count` activation rows, as on VNNI. */
+static inline __attribute__((always_inline)) void decode_span_rows(int64_t type, const uint8_t *row, int64_t c, int64_t k,
+                                                                   const CodedActivations *x, int count, __m256 *lanes) {
+    __m256i codes[4];
+    __m256 scale, offset;
+    span_codes(type, row, c, k, codes, &scale, &offset);
+    transpose_words(codes);
+    const int64_t g = c / GROUP;
+    for (int j = 0; j < count; j++) {
+        __m256i sum = _mm256_setzero_si256();
+        for (int p = 0; p < 4; p++)
+            sum = _mm256_add_epi32(sum, piece_dot(type, codes[p], _mm256_loadu_si256((const __m256i *)(x[j].lanes + c + 32 * p))));
+        lanes[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_loadu_ps(x[j].scale + g)), lanes[j]);
+        lanes[j] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(x[j].group_sum + g), lanes[j]);
+    }
 }
 
 static inline float decode_total(__m256 lanes) {
@@ -316,11 +365,53 @@ static void decode_tile(const int64_t *types, const uint8_t *const *rows, int64_
     for (int64_t r = 0; r < count; r++) out[r] = totals[r];
 }
 
+/* Activation rows a weight row's unpacked span serves before the next span is unpacked (their
+   running lanes stay in registers). */
+#define DECODE_ROWS 8
+
+/* totals[j] = x[j] · w for `count` (<= DECODE_ROWS) activation rows and one weight row of `type`;
+   inlined per format, as decode_rows. */
+static inline __attribute__((always_inline)) void decode_row_rows(int64_t type, const uint8_t *row, int64_t k,
+                                                                  const CodedActivations *x, int count, float *totals) {
+    DECODE_LANES lanes[DECODE_ROWS];
+    for (int j = 0; j < count; j++) lanes[j] = (DECODE_LANES){0};
+    for (int64_t c = 0; c < k; c += SPAN) decode_span_rows(type, row, c, k, x, count, lanes);
+    for (int j = 0; j < count; j++) totals[j] = decode_total(lanes[j]);
+}
+
+/* y[j · ldy + r] = x[j] · w[r] for the tile's `count` rows and `rows` activation rows (a batch of
+   decode tokens, a verify pass): each weight span unpacked once for up to DECODE_ROWS activation
+   rows, every (activation row, weight row) pair through coded_tile_step's operations, so each row's
+   result is what it would be alone. */
+static void decode_tile_rows(const int64_t *types, const uint8_t *const *rows, int64_t count, int64_t k,
+                             const CodedActivations *x, int64_t activation_rows, float *y, int64_t ldy) {
+    float totals[DECODE_ROWS];
+    for (int64_t r = 0; r < count; r++) {
+        for (int64_t j0 = 0; j0 < activation_rows; j0 += DECODE_ROWS) {
+            const int n = activation_rows - j0 < DECODE_ROWS ? (int)(activation_rows - j0) : DECODE_ROWS;
+            switch (types[r]) {
+            case GGML_Q4_K: decode_row_rows(GGML_Q4_K, rows[r], k, x + j0, n, totals); break;
+            case GGML_Q6_K: decode_row_rows(GGML_Q6_K, rows[r], k, x + j0, n, totals); break;
+            case GGML_Q4_0: decode_row_rows(GGML_Q4_0, rows[r], k, x + j0, n, totals); break;
+            case GGML_Q4_1: decode_row_rows(GGML_Q4_1, rows[r], k, x + j0, n, totals); break;
+            case GGML_Q5_0: decode_row_rows(GGML_Q5_0, rows[r], k, x + j0, n, totals); break;
+            default: decode_row_rows(GGML_Q8_0, rows[r], k, x + j0, n, totals); break;
+            }
+            for (int j = 0; j < n; j++) y[(j0 + j) * ldy + r] = totals[j];
+        }
+    }
+}
+
 #else
 
 static int has_decode_kernel(int64_t type) {
     (void)type;
     return 0;
+}
+
+static void decode_tile_rows(const int64_t *types, const uint8_t *const *rows, int64_t count, int64_t k,
+                             const CodedActivations *x, int64_t activation_rows, float *y, int64_t ldy) {
+    (void)types, (void)rows, (void)count, (void)k, (void)x, (void)activation_rows, (void)y, (void)ldy;
 }
 
 static void decode_tile(const int64_t *types, const uint8_t *const *rows, int64_t count, int64_t k, const CodedActivations *x,
