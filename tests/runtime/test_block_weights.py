@@ -126,8 +126,9 @@ def test_activation_bits_other_than_32_or_8_are_refused():
 )
 @pytest.mark.parametrize("bits", [32, 8])
 def test_each_row_is_the_same_bits_whatever_its_batch_and_threads(bits, columns, names):
-    """Decode (1 row), verify (a few) and prompt (many, several activation blocks) rows of the same
-    input give identical outputs, at 1 and 2 threads: the contract speculation relies on."""
+    """Decode (1 row), verify or a decode batch (a few: 5, and 19 = three passes of blocks_q8.c's
+    DECODE_ROWS) and prompt (many, several activation blocks) rows of the same input give identical
+    outputs, at 1 and 2 threads: the contract speculation relies on."""
     parts = [random_tensor(name, 18, columns, seed=i)[0] for i, name in enumerate(names)]
     projection = BlockProjection(parts, [None] * len(parts), activation_bits=bits)
     x = torch.randn(300, columns, generator=torch.Generator().manual_seed(3))
@@ -136,7 +137,7 @@ def test_each_row_is_the_same_bits_whatever_its_batch_and_threads(bits, columns,
     try:
         for count in (1, 2):
             torch.set_num_threads(count)
-            for start, size in ((0, 1), (7, 5), (31, 1), (64, 200)):
+            for start, size in ((0, 1), (7, 5), (31, 1), (40, 19), (64, 200)):
                 alone = projection(x[start : start + size])
                 assert torch.equal(alone, together[start : start + size]), (count, start, size)
     finally:

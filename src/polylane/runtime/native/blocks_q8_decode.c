@@ -365,10 +365,6 @@ static void decode_tile(const int64_t *types, const uint8_t *const *rows, int64_
     for (int64_t r = 0; r < count; r++) out[r] = totals[r];
 }
 
-/* Activation rows a weight row's unpacked span serves before the next span is unpacked (their
-   running lanes stay in registers). */
-#define DECODE_ROWS 8
-
 /* totals[j] = x[j] · w for `count` (<= DECODE_ROWS) activation rows and one weight row of `type`;
    inlined per format, as decode_rows. */
 static inline __attribute__((always_inline)) void decode_row_rows(int64_t type, const uint8_t *row, int64_t k,
