@@ -1,19 +1,21 @@
-"""A decode step over a GGUF file mapped with 4 KiB pages against the same file mapped with 2 MiB
-pages, side by side in one run.
+"""A decode step over a GGUF file's weights mapped with 4 KiB pages against 2 MiB pages, side by
+side in one run.
 
 Run:  python bench/page_size.py [--model qwen2.5-coder-1.5b-instruct] [--context 64] [--steps 30]
       [--rounds 3] [--drop-cache]
 
-The model loads at dtype auto (the file's blocks in place). Two more read-only mappings of the same
-file are made: one advised MADV_NOHUGEPAGE (every weight read through 4 KiB page table entries),
-one advised MADV_HUGEPAGE (2 MiB entries where the page cache holds the file in 2 MiB folios), and
-the model's weight pointers are switched between them. Each round times --steps decode steps
-(batch 1, one new token after --context tokens, the native stack where it runs) on each mapping,
-alternating which goes first; reported: the median step in ms per round and the best round's, and
-how much of each mapping the kernel mapped with 2 MiB pages (/proc/self/smaps `FilePmdMapped`).
-The page cache keeps the folio size a file was first read with: --drop-cache drops the file from
-it first (it is then read from disk through the 2 MiB mapping), for a file cached in 4 KiB folios.
-The last stdout line is one JSON document.
+The model loads at dtype auto (the file's blocks in place; its mapping asks for 2 MiB pages,
+`runtime/gguf_file.py`). Its projections' weight pointers are then switched between three copies of
+the same bytes:
+- "written copy": a temporary copy of the file written in 1 MiB pieces, as a download leaves a
+  file in the page cache, mapped with MADV_HUGEPAGE like the model's own;
+- "the model's mapping": the file as polylane maps it (with --drop-cache the file is dropped from
+  the page cache before the load, so its first read goes through the 2 MiB mapping);
+- "anonymous 2 MiB pages": a copy in anonymous memory advised MADV_HUGEPAGE (the best case).
+Each round times --steps decode steps (batch 1, one new token after --context tokens, the native
+stack where it runs) on each, in rotating order; reported: the median step per round, the best
+round, and how much of each mapping the kernel mapped with 2 MiB pages (/proc/self/smaps
+`FilePmdMapped`, `AnonHugePages`). The last stdout line is one JSON document.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import argparse
 import json
 import mmap
 import os
+import shutil
 import statistics
+import tempfile
 import time
 
 import numpy as np
@@ -35,17 +39,26 @@ from polylane.runtime.loaded_model import load_model
 from polylane.types import SequenceChunk
 
 BLOCK = 16
+HUGE = 1 << 21
 
 
-def mapping(path: str, advice: int) -> tuple[mmap.mmap, int]:
+def file_mapping(path: str) -> tuple[mmap.mmap, int]:
     with open(path, "rb") as handle:
         view = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-    view.madvise(advice)
-    address = np.frombuffer(view, dtype=np.uint8).ctypes.data
-    return view, address
+    view.madvise(mmap.MADV_HUGEPAGE)
+    return view, np.frombuffer(view, dtype=np.uint8).ctypes.data
 
 
-def file_base(path: str) -> int:
+def anonymous_copy(path: str) -> tuple[mmap.mmap, int]:
+    size = os.path.getsize(path)
+    view = mmap.mmap(-1, (size + HUGE - 1) // HUGE * HUGE)
+    view.madvise(mmap.MADV_HUGEPAGE)
+    with open(path, "rb") as handle:
+        handle.readinto(memoryview(view)[:size])
+    return view, np.frombuffer(view, dtype=np.uint8).ctypes.data
+
+
+def own_mapping(path: str) -> int:
     """The address the model's own mapping of `path` starts at (offset 0), from /proc/self/maps."""
     real = os.path.realpath(path)
     with open("/proc/self/maps") as maps:
@@ -56,16 +69,20 @@ def file_base(path: str) -> int:
     raise SystemExit(f"the model's mapping of {real} was not found")
 
 
-def huge_mapped_kib(address: int) -> int:
-    """FilePmdMapped (KiB) of the mapping that starts at `address`."""
+def huge_share(address: int) -> float:
+    """The share of the mapping starting at `address` that is mapped with 2 MiB pages."""
+    fields: dict[str, int] = {}
     with open("/proc/self/smaps") as smaps:
         inside = False
         for line in smaps:
-            if "-" in line.split()[0] and not line.startswith(("FilePmdMapped", "Size")):
-                inside = int(line.split("-")[0], 16) == address
-            elif inside and line.startswith("FilePmdMapped:"):
-                return int(line.split()[1])
-    return 0
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                inside = int(head.split("-")[0], 16) == address
+            elif inside and head in ("Size:", "FilePmdMapped:", "AnonHugePages:"):
+                fields[head] = int(line.split()[1])
+    return (fields.get("FilePmdMapped:", 0) + fields.get("AnonHugePages:", 0)) / max(
+        fields.get("Size:", 1), 1
+    )
 
 
 def main() -> None:
@@ -80,74 +97,62 @@ def main() -> None:
     if args.drop_cache:
         with open(path, "rb") as handle:
             os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    huge, huge_base = mapping(path, mmap.MADV_HUGEPAGE)
-    np.frombuffer(huge, dtype=np.uint8)[:: mmap.PAGESIZE].sum()  # read through the 2 MiB mapping first
-    small, small_base = mapping(path, mmap.MADV_NOHUGEPAGE)
     model = load_model(path, "auto", quiet=True)
     module = model.module
-    own_base = file_base(path)
-    # the projections' weights (the embedding is looked up a row per token)
-    segments = [m.matrix().segments for m in module.modules() if isinstance(m, BlockProjection)]
-    counts = [m.matrix().num_segments for m in module.modules() if isinstance(m, BlockProjection)]
-    offsets = [
-        [parts[i].data - own_base for i in range(n)] for parts, n in zip(segments, counts, strict=True)
-    ]
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(path)) as folder:
+        copy = os.path.join(folder, "written.gguf")
+        with open(path, "rb") as source, open(copy, "wb") as target:
+            shutil.copyfileobj(source, target, 1 << 20)
+        written, written_base = file_mapping(copy)
+        anonymous, anonymous_base = anonymous_copy(path)
+        base = own_mapping(path)
+        # the projections' weights (the embedding is looked up a row per token)
+        matrices = [m.matrix() for m in module.modules() if isinstance(m, BlockProjection)]
+        offsets = [
+            [matrix.segments[i].data - base for i in range(matrix.num_segments)] for matrix in matrices
+        ]
 
-    def point_at(base: int) -> None:
-        for parts, part_offsets in zip(segments, offsets, strict=True):
-            for index, offset in enumerate(part_offsets):
-                parts[index].data = base + offset
+        def point_at(start: int) -> None:
+            for matrix, matrix_offsets in zip(matrices, offsets, strict=True):
+                for index, offset in enumerate(matrix_offsets):
+                    matrix.segments[index].data = start + offset
 
-    per_sequence = -(-(args.context + 1) // BLOCK)
-    cache = PagedKVCache(module.config, per_sequence, BLOCK, model.kv_dtype)
-    table = tuple(range(per_sequence))
-    module(
-        build_forward_batch(
-            [SequenceChunk(tuple(range(100, 100 + args.context)), 0, table)], BLOCK, module.config
-        ),
-        cache,
-    )
-    batch = build_forward_batch([SequenceChunk((42,), args.context, table)], BLOCK, module.config)
-    systems = {"4 KiB pages": small_base, "2 MiB pages": huge_base}
-    rounds: dict[str, list[float]] = {name: [] for name in systems}
-    for round_index in range(args.rounds):
-        order = list(systems) if round_index % 2 == 0 else list(systems)[::-1]
-        for name in order:
-            point_at(systems[name])
-            for _ in range(3):
-                module(batch, cache)
-            times = []
-            for _ in range(args.steps):
-                started = time.perf_counter()
-                module(batch, cache)
-                times.append(time.perf_counter() - started)
-            rounds[name].append(statistics.median(times) * 1e3)
-    point_at(own_base)
-    mapped = {name: huge_mapped_kib(base) for name, base in systems.items()}
-    size_kib = os.path.getsize(path) // 1024
-    print(
-        f"{args.model} auto ({model.compute_path}), batch 1 after {args.context} tokens: ms per decode step"
-    )
-    print("| mapping | median step per round (ms) | best round | mapped with 2 MiB pages |")
+        per_sequence = -(-(args.context + 1) // BLOCK)
+        cache = PagedKVCache(module.config, per_sequence, BLOCK, model.kv_dtype)
+        table = tuple(range(per_sequence))
+        prompt = SequenceChunk(tuple(range(100, 100 + args.context)), 0, table)
+        module(build_forward_batch([prompt], BLOCK, module.config), cache)
+        batch = build_forward_batch([SequenceChunk((42,), args.context, table)], BLOCK, module.config)
+        systems = {
+            "written copy": written_base,
+            "the model's mapping": base,
+            "anonymous 2 MiB pages": anonymous_base,
+        }
+        names = list(systems)
+        rounds: dict[str, list[float]] = {name: [] for name in names}
+        for round_index in range(args.rounds):
+            for name in names[round_index % 3 :] + names[: round_index % 3]:
+                point_at(systems[name])
+                for _ in range(3):
+                    module(batch, cache)
+                times = []
+                for _ in range(args.steps):
+                    started = time.perf_counter()
+                    module(batch, cache)
+                    times.append(time.perf_counter() - started)
+                rounds[name].append(statistics.median(times) * 1e3)
+        shares = {name: huge_share(start) for name, start in systems.items()}
+        point_at(base)
+        del written, anonymous
+    print(f"{args.model} auto ({model.compute_path})")
+    print(f"batch 1 after {args.context} tokens, ms per decode step")
+    print("| weights | median step per round (ms) | best round | mapped with 2 MiB pages |")
     print("|---|---|---:|---:|")
-    for name in systems:
+    for name in names:
         per_round = ", ".join(f"{value:.2f}" for value in rounds[name])
-        print(f"| {name} | {per_round} | {min(rounds[name]):.2f} | {mapped[name] / size_kib:.0%} |")
-    ratio = min(rounds["4 KiB pages"]) / min(rounds["2 MiB pages"])
-    print(f"2 MiB pages: {ratio:.2f}× the 4 KiB pages' speed (best rounds)")
-    print(
-        json.dumps(
-            {
-                "model": args.model,
-                "context": args.context,
-                "ms_per_step": rounds,
-                "huge_mapped_kib": mapped,
-                "file_kib": size_kib,
-                "speedup": ratio,
-            }
-        )
-    )
-    del huge, small
+        print(f"| {name} | {per_round} | {min(rounds[name]):.2f} | {shares[name]:.0%} |")
+    summary = {"model": args.model, "context": args.context, "ms_per_step": rounds, "huge_share": shares}
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ integers before its one float multiply-add (codes and activations in "lane layou
 
 Batch independence holds as in blocks.c: an activation row is quantised alone, and each output is
 one fixed sequence of operations on its own activation row and weight row, whatever the batch,
-thread count or tile. A single activation row (a decode step) takes blocks_q8_decode.c's kernels
-where the tile's formats have them: the same operations, without coding the weights first.
+thread count or tile. A single activation row (a decode step), and a few (a decode batch, a verify
+pass: fewer than DECODE_ROWS_BELOW), take blocks_q8_decode.c's kernels where the tile's formats
+have them: the same operations, without coding the weights first.
 
 Float weight tensors (F32, F16, BF16) have no codes: a matrix with such a segment takes the float
 path of blocks.c.
@@ -33,8 +34,9 @@ path of blocks.c.
 /* Fewer activation rows than this (decode batches, verify passes) and a tile whose formats have
    decode kernels: each weight span is unpacked in registers for DECODE_ROWS activation rows at a
    time (their running lanes stay in registers; blocks_q8_decode.c) instead of coded into a buffer.
-   Per row of SmolLM2's 960×576 Q4_1 product, AMD EPYC Zen 4, VNNI: 8 rows 7.1 µs vs 11.8 coded,
-   16 rows 6.6 vs 8.5; 64 rows about even (6.3 vs 6.4), and 16 rows at a time spill registers. */
+   Per row of SmolLM2's 960×576 Q4_1 product, AMD EPYC Zen 4, VNNI (`bench/block_rows.py`, against
+   the commit before this path): 8 rows 7.1 µs vs 11.8 coded, 16 rows 6.6 vs 8.5; 64 rows about even
+   (6.3 vs 6.4), and 16 activation rows at a time spill registers. */
 #define DECODE_ROWS_BELOW 32
 #define DECODE_ROWS 8
 /* Codes whose group sums are formed in integers before any float operation: a span's groups take
