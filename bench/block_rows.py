@@ -50,9 +50,8 @@ def main() -> None:
                     projection(x)
                 best = min(best, (time.perf_counter() - started) / len(projections))
             results[kind][str(rows)] = best * 1e6
-    print(
-        f"{args.model} auto, {isa_name()} block kernels, {torch.get_num_threads()} threads: µs per matrix (per row)"
-    )
+    threads = torch.get_num_threads()
+    print(f"{args.model} auto, {isa_name()} block kernels, {threads} threads: µs per matrix (per row)")
     print("| matrix | shape, formats | " + " | ".join(f"{rows} rows" for rows in args.rows) + " |")
     print("|---|---|" + "---:|" * len(args.rows))
     for kind, projections in kinds.items():
