@@ -121,9 +121,9 @@ def load_model(
     if in_place:
         arithmetic = "8-bit activations" if activation_bits == 8 else "float32 activations"
         kernels = f"the {block_isa_name()} block kernels ({arithmetic})"
-        between = "the native stack" if weights.model.native_stack is not None else "torch"
+        between = "the native stack" if native else "torch"
         path = f"{formats_summary(weights.model)} read in place by {kernels}, {between} between"
-    elif weights.model.native_stack is not None:
+    elif native:
         path = f"native stack ({native_kernel_name()})"
     else:
         path = (

@@ -845,7 +845,6 @@ static void rotate(float *x, int64_t heads, int64_t head_dim, const float *rotat
     }
 }
 
-
 #ifdef HAVE_DENSE_KERNELS
 #include "stack_avx512.c" /* e^x, bf16 loads and stores, attention, the MLP's gate: AVX-512 */
 #else

@@ -38,14 +38,13 @@ static inline void store_bf16(const float *x, int64_t size, uint16_t *out) {
     }
 }
 
-/* A cache row's `dim` values (bf16 or float32) as float32. */
-static inline void load_row(const void *row, int64_t dim, const int bf16, float *out) {
-    if (bf16) {
-        const uint16_t *v = row;
-        for (int64_t d = 0; d < dim; d++) out[d] = bf16_value(v[d]);
-    } else {
-        memcpy(out, row, sizeof(float) * (size_t)dim);
-    }
+/* A cache row's `dim` values as float32: the row itself where the cache holds float32, else its bf16
+ * values widened into `buffer`. */
+static inline const float *float_row(const void *row, int64_t dim, const int bf16, float *buffer) {
+    if (!bf16) return row;
+    const uint16_t *v = row;
+    for (int64_t d = 0; d < dim; d++) buffer[d] = bf16_value(v[d]);
+    return buffer;
 }
 
 /* q · k over `dim` (a multiple of 8) values: eight running sums, then added pairwise, in one order
@@ -88,8 +87,8 @@ static void attention_impl(const Model *model, const Layer *layer, const Step *s
                         for (int64_t g = 0; g < group; g++) scores[g * context + c] = -INFINITY;
                         continue;
                     }
-                    load_row(keys + (slots[c] * kv_width + kvh * dim) * element, dim, bf16, row);
-                    for (int64_t g = 0; g < group; g++) scores[g * context + c] = dot(q + g * dim, row, dim) * model->scale;
+                    const float *key = float_row(keys + (slots[c] * kv_width + kvh * dim) * element, dim, bf16, row);
+                    for (int64_t g = 0; g < group; g++) scores[g * context + c] = dot(q + g * dim, key, dim) * model->scale;
                 }
                 float inverse[group];
                 for (int64_t g = 0; g < group; g++) { /* softmax numerators in place; unseen keys exactly 0 */
@@ -104,11 +103,11 @@ static void attention_impl(const Model *model, const Layer *layer, const Step *s
                 memset(o, 0, sizeof(float) * (size_t)(group * dim));
                 for (int64_t c = 0; c < context; c++) {
                     if (!visible[c]) continue;
-                    load_row(values + (slots[c] * kv_width + kvh * dim) * element, dim, bf16, row);
+                    const float *value = float_row(values + (slots[c] * kv_width + kvh * dim) * element, dim, bf16, row);
                     for (int64_t g = 0; g < group; g++) {
                         const float weight = scores[g * context + c];
                         float *head = o + g * dim;
-                        for (int64_t d = 0; d < dim; d++) head[d] += weight * row[d];
+                        for (int64_t d = 0; d < dim; d++) head[d] += weight * value[d];
                     }
                 }
                 for (int64_t g = 0; g < group; g++)
