@@ -117,12 +117,13 @@ def test_activation_bits_other_than_32_or_8_are_refused():
         BlockProjection([tensor], [None], activation_bits=4)
 
 
-# 3,072 columns: prompts of 16+ rows code them in pieces (blocks_q8.c), decode rows whole;
+# 8,192 columns: prompts of 16+ rows code them in pieces and take 300 rows in two activation
+# blocks (blocks_q8.c's MAX_CHUNK, CODED_BLOCK_BYTES), decode rows whole;
 # 800: the last span of 256 (128 on AVX2) columns is short. 18 rows each: some tiles of four rows
 # mix two formats (Q5_1 has no decode kernel of its own, blocks_q8_decode.c).
 @pytest.mark.parametrize(
     ("columns", "names"),
-    [(3072, ("Q4_K", "Q6_K", "Q8_0", "Q4_1", "Q5_0")), (800, ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"))],
+    [(8192, ("Q4_K", "Q6_K", "Q8_0", "Q4_1", "Q5_0")), (800, ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"))],
 )
 @pytest.mark.parametrize("bits", [32, 8])
 def test_each_row_is_the_same_bits_whatever_its_batch_and_threads(bits, columns, names):
