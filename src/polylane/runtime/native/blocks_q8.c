@@ -519,6 +519,12 @@ static void coded_tile_step(const CodedActivations *x, int64_t c0, int64_t len, 
 }
 
 #if defined(Q8_VNNI)
+/* Holds a loaded vector in a register from here on: without it GCC folds the load into each
+   instruction that uses the vector (a memory operand per use), and the product waits on loads.
+   Qwen2.5-Coder 1.5B at 512 rows, AMD EPYC Zen 4, `bench/block_rows.py --rows 512`: the
+   activations of coded_tile_step_pair so held, gate/up 240 → 178 µs per row, down 103 → 79. */
+#define IN_REGISTER(v) __asm__("" : "+v"(v))
+
 /* coded_tile_step for two activation rows at once, the tile's four weight rows taken together in
    each step of 64 codes: each code vector is loaded once for both activation rows and each
    activation vector once for the four weight rows. Every (activation row, weight row) pair's lanes
@@ -536,7 +542,9 @@ static void coded_tile_step_pair(const CodedActivations *x0, const CodedActivati
         __m512i sum[2][TILE_ROWS];
         for (int r = 0; r < TILE_ROWS; r++) sum[0][r] = sum[1][r] = _mm512_setzero_si512();
         for (int s = 0; s < 4; s++) {
-            const __m512i xq0 = _mm512_loadu_si512(x0->lanes + c0 + i + 64 * s), xq1 = _mm512_loadu_si512(x1->lanes + c0 + i + 64 * s);
+            __m512i xq0 = _mm512_loadu_si512(x0->lanes + c0 + i + 64 * s), xq1 = _mm512_loadu_si512(x1->lanes + c0 + i + 64 * s);
+            IN_REGISTER(xq0);
+            IN_REGISTER(xq1);
             for (int r = 0; r < TILE_ROWS; r++) {
                 const __m512i w = _mm512_loadu_si512(u + r * chunk + i + 64 * s);
                 sum[0][r] = _mm512_dpbusd_epi32(sum[0][r], w, xq0);

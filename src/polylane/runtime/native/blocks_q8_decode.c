@@ -365,36 +365,43 @@ static void decode_tile(const int64_t *types, const uint8_t *const *rows, int64_
     for (int64_t r = 0; r < count; r++) out[r] = totals[r];
 }
 
-/* totals[j] = x[j] · w for `count` (<= DECODE_ROWS) activation rows and one weight row of `type`;
-   inlined per format, as decode_rows. */
-static inline __attribute__((always_inline)) void decode_row_rows(int64_t type, const uint8_t *row, int64_t k,
-                                                                  const CodedActivations *x, int count, float *totals) {
-    DECODE_LANES lanes[DECODE_ROWS];
-    for (int j = 0; j < count; j++) lanes[j] = (DECODE_LANES){0};
-    for (int64_t c = 0; c < k; c += SPAN) decode_span_rows(type, row, c, k, x, count, lanes);
-    for (int j = 0; j < count; j++) totals[j] = decode_total(lanes[j]);
+/* lanes[j] += x[j] · w over columns [c0, c1) (whole spans, or to k) for `count` (<= DECODE_ROWS)
+   activation rows and one weight row of `type`; inlined per format, as decode_rows. */
+static inline __attribute__((always_inline)) void decode_row_rows(int64_t type, const uint8_t *row, int64_t c0, int64_t c1, int64_t k,
+                                                                  const CodedActivations *x, int count, DECODE_LANES *lanes) {
+    for (int64_t c = c0; c < c1; c += SPAN) decode_span_rows(type, row, c, k, x, count, lanes);
 }
 
 /* y[j · ldy + r] = x[j] · w[r] for the tile's `count` rows and `rows` activation rows (a batch of
    decode tokens, a verify pass): each weight span unpacked once for up to DECODE_ROWS activation
    rows, every (activation row, weight row) pair through coded_tile_step's operations, so each row's
-   result is what it would be alone. */
+   result is what it would be alone. Long rows go DECODE_CHUNK columns at a time for the tile's
+   rows together, so that the activation rows' piece stays in L1 while the four weight rows take it
+   (Qwen2.5-Coder 1.5B's down projections, 8,960 columns: eight whole activation rows are 70 KB;
+   one thread, AMD EPYC Zen 4, 8 rows: Q4_K 301 → 238 µs per row, Q6_K 386 → 366). */
+#define DECODE_CHUNK 1024
 static void decode_tile_rows(const int64_t *types, const uint8_t *const *rows, int64_t count, int64_t k,
                              const CodedActivations *x, int64_t activation_rows, float *y, int64_t ldy) {
-    float totals[DECODE_ROWS];
-    for (int64_t r = 0; r < count; r++) {
-        for (int64_t j0 = 0; j0 < activation_rows; j0 += DECODE_ROWS) {
-            const int n = activation_rows - j0 < DECODE_ROWS ? (int)(activation_rows - j0) : DECODE_ROWS;
-            switch (types[r]) {
-            case GGML_Q4_K: decode_row_rows(GGML_Q4_K, rows[r], k, x + j0, n, totals); break;
-            case GGML_Q6_K: decode_row_rows(GGML_Q6_K, rows[r], k, x + j0, n, totals); break;
-            case GGML_Q4_0: decode_row_rows(GGML_Q4_0, rows[r], k, x + j0, n, totals); break;
-            case GGML_Q4_1: decode_row_rows(GGML_Q4_1, rows[r], k, x + j0, n, totals); break;
-            case GGML_Q5_0: decode_row_rows(GGML_Q5_0, rows[r], k, x + j0, n, totals); break;
-            default: decode_row_rows(GGML_Q8_0, rows[r], k, x + j0, n, totals); break;
+    DECODE_LANES lanes[TILE_ROWS][DECODE_ROWS];
+    for (int64_t j0 = 0; j0 < activation_rows; j0 += DECODE_ROWS) {
+        const int n = activation_rows - j0 < DECODE_ROWS ? (int)(activation_rows - j0) : DECODE_ROWS;
+        for (int64_t r = 0; r < count; r++)
+            for (int j = 0; j < n; j++) lanes[r][j] = (DECODE_LANES){0};
+        for (int64_t c0 = 0; c0 < k; c0 += DECODE_CHUNK) {
+            const int64_t c1 = c0 + DECODE_CHUNK < k ? c0 + DECODE_CHUNK : k;
+            for (int64_t r = 0; r < count; r++) {
+                switch (types[r]) {
+                case GGML_Q4_K: decode_row_rows(GGML_Q4_K, rows[r], c0, c1, k, x + j0, n, lanes[r]); break;
+                case GGML_Q6_K: decode_row_rows(GGML_Q6_K, rows[r], c0, c1, k, x + j0, n, lanes[r]); break;
+                case GGML_Q4_0: decode_row_rows(GGML_Q4_0, rows[r], c0, c1, k, x + j0, n, lanes[r]); break;
+                case GGML_Q4_1: decode_row_rows(GGML_Q4_1, rows[r], c0, c1, k, x + j0, n, lanes[r]); break;
+                case GGML_Q5_0: decode_row_rows(GGML_Q5_0, rows[r], c0, c1, k, x + j0, n, lanes[r]); break;
+                default: decode_row_rows(GGML_Q8_0, rows[r], c0, c1, k, x + j0, n, lanes[r]); break;
+                }
             }
-            for (int j = 0; j < n; j++) y[(j0 + j) * ldy + r] = totals[j];
         }
+        for (int64_t r = 0; r < count; r++)
+            for (int j = 0; j < n; j++) y[(j0 + j) * ldy + r] = decode_total(lanes[r][j]);
     }
 }
 
