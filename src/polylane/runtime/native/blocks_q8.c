@@ -443,6 +443,48 @@ static void code_activation_span(const float *restrict x, int64_t k, CodedActiva
 
 /* ---------------------------------------------------------------- dot products */
 
+/* Holds a loaded vector in a register from here on: without it GCC folds the load into each
+   instruction that uses the vector (a memory operand per use), and the product waits on loads. */
+#if defined(Q8_VNNI) || defined(Q8_AVX2)
+#define IN_REGISTER(v) __asm__("" : "+v"(v))
+#endif
+
+#if defined(Q8_AVX2)
+/* How many of a span's four steps sum their vpmaddubsw pairs in 16 bits before one vpmaddwd by
+   ones: a pair of codes up to c times activations up to 127 in magnitude is at most 2·127·c
+   (4-bit codes 3,810, 5-bit 7,874, 6-bit 16,002), so four steps of 4- and 5-bit codes fit in 16
+   bits, two of Q6_K's, and one of Q8_0's magnitudes (up to 128: 32,512). The sums are exact
+   integers however they are grouped: every path's group sums stay the same. */
+static inline int pair_steps(int64_t type) {
+    switch (type) {
+    case GGML_Q6_K: return 2;
+    case GGML_Q8_0: return 1;
+    default: return 4;
+    }
+}
+
+/* A span's group sums in lane layout: codes w[s] (unsigned; Q8_0's signed, see simd_code_row)
+   times activations xq[s], s < 4, by vpmaddubsw (Q8_0: magnitudes times the activations with the
+   codes' signs, vpsignb), `steps` (pair_steps) of them summed in 16 bits per vpmaddwd. */
+static inline __attribute__((always_inline)) __m256i span_sum(int steps, const __m256i w[4], const __m256i xq[4]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (steps == 4) {
+        const __m256i low = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], xq[0]), _mm256_maddubs_epi16(w[1], xq[1]));
+        const __m256i high = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], xq[2]), _mm256_maddubs_epi16(w[3], xq[3]));
+        return _mm256_madd_epi16(_mm256_add_epi16(low, high), ones);
+    }
+    if (steps == 2) {
+        const __m256i low = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], xq[0]), _mm256_maddubs_epi16(w[1], xq[1]));
+        const __m256i high = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], xq[2]), _mm256_maddubs_epi16(w[3], xq[3]));
+        return _mm256_add_epi32(_mm256_madd_epi16(low, ones), _mm256_madd_epi16(high, ones));
+    }
+    __m256i sum = _mm256_setzero_si256();
+    for (int s = 0; s < 4; s++)
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w[s]), _mm256_sign_epi8(xq[s], w[s])), ones));
+    return sum;
+}
+#endif
+
 /* A tile's running sums: per weight row, one vector of lanes (16 floats for VNNI, 8 for AVX2, the
    first only in C), kept between the chunks of a row. */
 typedef struct {
@@ -476,29 +518,24 @@ static void coded_tile_step(const CodedActivations *x, int64_t c0, int64_t len, 
         _mm512_storeu_ps(sums->lanes[r], lanes);
     }
 #elif defined(Q8_AVX2)
-    /* vpmaddubsw (unsigned codes × int8 activations, pairs summed in int16: at most 2·63·127 for
-       6-bit codes, no saturation) then vpmaddwd by ones: lanes of four codes' sums. Q8_0 rows hold
-       signed int8 values (see simd_code_row): |w| times x with w's sign (vpsignb), at most 2·128·127. */
-    const __m256i ones = _mm256_set1_epi16(1);
+    int steps[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; r++) steps[r] = pair_steps(types[r]);
     __m256 lanes[TILE_ROWS];
     for (int r = 0; r < TILE_ROWS; r++) lanes[r] = _mm256_loadu_ps(sums->lanes[r]);
     for (int64_t i = 0; i < len; i += SPAN) { /* the four rows together: each activation vector loaded once */
-        __m256i sum[TILE_ROWS];
-        for (int r = 0; r < TILE_ROWS; r++) sum[r] = _mm256_setzero_si256();
+        __m256i xq[4];
         for (int s = 0; s < 4; s++) {
-            const __m256i xq = _mm256_loadu_si256((const __m256i *)(x->lanes + c0 + i + 32 * s));
-            for (int r = 0; r < TILE_ROWS; r++) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(u + r * chunk + i + 32 * s));
-                const __m256i pairs = types[r] == GGML_Q8_0 ? _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xq, w))
-                                                            : _mm256_maddubs_epi16(w, xq);
-                sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(pairs, ones));
-            }
+            xq[s] = _mm256_loadu_si256((const __m256i *)(x->lanes + c0 + i + 32 * s));
+            IN_REGISTER(xq[s]);
         }
         const int64_t g = (c0 + i) / GROUP;
         const __m256 xs = _mm256_loadu_ps(x->scale + g), gs = _mm256_loadu_ps(x->group_sum + g);
         for (int r = 0; r < TILE_ROWS; r++) {
+            __m256i w[4];
+            for (int s = 0; s < 4; s++) w[s] = _mm256_loadu_si256((const __m256i *)(u + r * chunk + i + 32 * s));
+            const __m256i sum = span_sum(steps[r], w, xq);
             const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(d + r * d_ld + i / GROUP), xs);
-            lanes[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), scale, lanes[r]);
+            lanes[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), scale, lanes[r]);
             lanes[r] = _mm256_fmadd_ps(_mm256_loadu_ps(m + r * m_ld + g), gs, lanes[r]);
         }
     }
@@ -519,12 +556,6 @@ static void coded_tile_step(const CodedActivations *x, int64_t c0, int64_t len, 
 }
 
 #if defined(Q8_VNNI)
-/* Holds a loaded vector in a register from here on: without it GCC folds the load into each
-   instruction that uses the vector (a memory operand per use), and the product waits on loads.
-   Qwen2.5-Coder 1.5B at 512 rows, AMD EPYC Zen 4, `bench/block_rows.py --rows 512`: the
-   activations of coded_tile_step_pair so held, gate/up 240 → 178 µs per row, down 103 → 79. */
-#define IN_REGISTER(v) __asm__("" : "+v"(v))
-
 /* coded_tile_step for two activation rows at once, the tile's four weight rows taken together in
    each step of 64 codes: each code vector is loaded once for both activation rows and each
    activation vector once for the four weight rows. Every (activation row, weight row) pair's lanes

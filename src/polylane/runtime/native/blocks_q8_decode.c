@@ -294,9 +294,9 @@ static inline __attribute__((always_inline)) void decode_span_rows(int64_t type,
     transpose_words(codes);
     const int64_t g = c / GROUP;
     for (int j = 0; j < count; j++) {
-        __m256i sum = _mm256_setzero_si256();
-        for (int p = 0; p < 4; p++)
-            sum = _mm256_add_epi32(sum, piece_dot(type, codes[p], _mm256_loadu_si256((const __m256i *)(x[j].lanes + c + 32 * p))));
+        __m256i xq[4];
+        for (int p = 0; p < 4; p++) xq[p] = _mm256_loadu_si256((const __m256i *)(x[j].lanes + c + 32 * p));
+        const __m256i sum = span_sum(pair_steps(type), codes, xq);
         lanes[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_loadu_ps(x[j].scale + g)), lanes[j]);
         lanes[j] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(x[j].group_sum + g), lanes[j]);
     }
