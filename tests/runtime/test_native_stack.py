@@ -33,9 +33,7 @@ from polylane.runtime.native import stack as native
 from polylane.runtime.quantize import QuantizedProjection
 from polylane.types import SequenceChunk
 
-needs_native = pytest.mark.skipif(
-    native.kernel_name() is None, reason=str(native_unavailable_reason())
-)
+needs_native = pytest.mark.skipif(native.kernel_name() is None, reason=str(native_unavailable_reason()))
 SMOL, QWEN, GEMMA = "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma3-270m"
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
