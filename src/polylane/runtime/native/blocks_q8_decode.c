@@ -365,11 +365,25 @@ static void decode_tile(const int64_t *types, const uint8_t *const *rows, int64_
     for (int64_t r = 0; r < count; r++) out[r] = totals[r];
 }
 
+/* Spans read ahead of the one being dotted by decode_row_rows. A span serves up to DECODE_ROWS
+   activation rows, long enough for the hardware prefetcher to fall behind its stall on the next
+   span's first load (23% of the down projections' samples in `perf`). Qwen2.5-Coder 1.5B, 8 rows,
+   AMD EPYC Zen 4: Q6_K down 179 → 134 µs per row, Q4_K down 130 → 116, gate/up 257 → 232; one
+   span ahead or three were no better, and one row (decode_row) only lost by it. */
+#define SPANS_AHEAD 2
+
 /* lanes[j] += x[j] · w over columns [c0, c1) (whole spans, or to k) for `count` (<= DECODE_ROWS)
    activation rows and one weight row of `type`; inlined per format, as decode_rows. */
 static inline __attribute__((always_inline)) void decode_row_rows(int64_t type, const uint8_t *row, int64_t c0, int64_t c1, int64_t k,
                                                                   const CodedActivations *x, int count, DECODE_LANES *lanes) {
-    for (int64_t c = c0; c < c1; c += SPAN) decode_span_rows(type, row, c, k, x, count, lanes);
+    const int64_t span_bytes = block_row_bytes(type, SPAN);
+    for (int64_t c = c0; c < c1; c += SPAN) {
+        if (c + SPANS_AHEAD * SPAN < k) {
+            const char *ahead = (const char *)row + block_row_bytes(type, c + SPANS_AHEAD * SPAN);
+            for (int64_t line = 0; line < span_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+        }
+        decode_span_rows(type, row, c, k, x, count, lanes);
+    }
 }
 
 /* y[j · ldy + r] = x[j] · w[r] for the tile's `count` rows and `rows` activation rows (a batch of
