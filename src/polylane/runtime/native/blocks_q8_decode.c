@@ -366,10 +366,11 @@ static void decode_tile(const int64_t *types, const uint8_t *const *rows, int64_
 }
 
 /* Spans read ahead of the one being dotted by decode_row_rows. A span serves up to DECODE_ROWS
-   activation rows, long enough for the hardware prefetcher to fall behind its stall on the next
-   span's first load (23% of the down projections' samples in `perf`). Qwen2.5-Coder 1.5B, 8 rows,
-   AMD EPYC Zen 4: Q6_K down 179 → 134 µs per row, Q4_K down 130 → 116, gate/up 257 → 232; one
-   span ahead or three were no better, and one row (decode_row) only lost by it. */
+   activation rows, long enough for the hardware prefetcher to fall behind: the next span's first
+   load took 23% of a Q6_K down projection's `perf` samples. Qwen2.5-Coder 1.5B, AMD EPYC Zen 4,
+   `bench/block_rows.py --rows 8` (best of two alternating runs): the Q6_K down projection 203 →
+   142 µs per row, the Q6_K output matrix 4,242 → 2,375, the Q4_K products unchanged within the
+   noise. One span ahead or three were no better; one row (decode_row) was slower with it. */
 #define SPANS_AHEAD 2
 
 /* lanes[j] += x[j] · w over columns [c0, c1) (whole spans, or to k) for `count` (<= DECODE_ROWS)
