@@ -393,7 +393,8 @@ static inline __attribute__((always_inline)) void decode_row_rows(int64_t type, 
    result is what it would be alone. Long rows go DECODE_CHUNK columns at a time for the tile's
    rows together, so that the activation rows' piece stays in L1 while the four weight rows take it
    (Qwen2.5-Coder 1.5B's down projections, 8,960 columns: eight whole activation rows are 70 KB;
-   one thread, AMD EPYC Zen 4, 8 rows: Q4_K 301 → 238 µs per row, Q6_K 386 → 366). */
+   AMD EPYC Zen 4, `bench/block_rows.py --rows 8`, best of two alternating runs: the Q6_K down
+   projection 210 → 181 µs per row). */
 #define DECODE_CHUNK 1024
 static void decode_tile_rows(const int64_t *types, const uint8_t *const *rows, int64_t count, int64_t k,
                              const CodedActivations *x, int64_t activation_rows, float *y, int64_t ldy) {
