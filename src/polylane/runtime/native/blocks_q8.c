@@ -39,7 +39,7 @@ path of blocks.c.
 #define CODED_BLOCK_BYTES (4096 * 1024)
 /* Fewer activation rows than this (decode batches, verify passes) and a tile whose formats have
    decode kernels: each weight span is unpacked in registers for DECODE_ROWS activation rows at a
-   time (their running lanes stay in registers; blocks_q8_decode.c) instead of coded into a buffer.
+   time (blocks_q8_decode.c: each pair's running lanes kept across spans) instead of coded into a buffer.
    Per row of SmolLM2's 960×576 Q4_1 product, AMD EPYC Zen 4, VNNI (`bench/block_rows.py`, against
    the commit before this path): 8 rows 7.1 µs vs 11.8 coded, 16 rows 6.6 vs 8.5; 64 rows about even
    (6.3 vs 6.4), and 16 activation rows at a time spill registers. */
