@@ -436,6 +436,10 @@ class Engine:
     def _run(self) -> None:
         try:
             while not self._stopping:
+                if (self._inbox.qsize() or self._arriving) and not self.scheduler.num_unfinished():
+                    # work comes to an engine that has none (woken from idle, or arriving as the
+                    # last request finished): the burst it belongs to joins one first step
+                    self._let_submissions_land()
                 self._drain_inbox()
                 plan = self.scheduler.schedule()
                 if plan.is_idle:
@@ -443,7 +447,6 @@ class Engine:
                     self.compute_threads.step()
                     self._wake.wait(timeout=self.compute_threads.policy.interval_s)
                     self._wake.clear()
-                    self._let_submissions_land()
                     continue
                 self._start_loads(plan.acquire)
                 started = time.perf_counter()
@@ -459,11 +462,11 @@ class Engine:
             self._shutdown()
 
     def _let_submissions_land(self) -> None:
-        """Woken from idle: let requests that other threads are submitting at this moment (a burst
-        of clients) join the first step's prefill instead of waiting a whole prefill step for the
-        next: hand the GIL over while the inbox still grows, then wait until no request has
-        arrived for `arrival_quiet_s` and no `submit` is still rendering or tokenising its
-        prompt, at most ARRIVAL_WAIT_S. A lone request waits `arrival_quiet_s` (2 ms)."""
+        """Work comes to an idle engine: let requests that other threads are submitting at this
+        moment (a burst of clients) join the first step's prefill instead of waiting a whole
+        prefill step for the next: hand the GIL over while the inbox still grows, then wait until
+        no request has arrived for `arrival_quiet_s` and no `submit` is still rendering or
+        tokenising its prompt, at most ARRIVAL_WAIT_S. A lone request waits `arrival_quiet_s` (2 ms)."""
         seen = -1
         for _ in range(16):
             if self._inbox.qsize() == seen:
@@ -471,7 +474,7 @@ class Engine:
             seen = self._inbox.qsize()
             time.sleep(0)  # releases the GIL: a submitting thread waiting for it runs
         quiet = self.config.arrival_quiet_s
-        if quiet <= 0 or not (seen or self._arriving):  # (a timeout's wake: nothing came)
+        if quiet <= 0 or not (seen or self._arriving):  # (nothing came after all)
             return
         deadline = time.perf_counter() + ARRIVAL_WAIT_S
         quiet_until = time.perf_counter() + quiet
