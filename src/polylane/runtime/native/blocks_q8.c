@@ -388,28 +388,71 @@ static void to_lanes(uint8_t *codes, float *scales, int64_t columns) {
 
 /* An activation row rounded to 8 bits: q (int8, natural order: the decode kernels' input) and the
    same values in lane layout, each group's scale in lane layout, and per group (natural order)
-   scale·Σq, the offset term's factor. Buffers hold whole spans. */
+   scale·Σq, the offset term's factor. Buffers hold whole spans. A single row (decode) on VNNI also
+   has its values, scales and offset factors in the order of blocks_q8_decode.c's Q4_K kernel
+   (`k4`, `k4_scale`, `k4_group_sum`; NULL otherwise). */
 typedef struct {
     int8_t *q;
     int8_t *lanes;
     float *scale;
     float *group_sum;
+    int8_t *k4;
+    float *k4_scale;
+    float *k4_group_sum;
 } CodedActivations;
 
-static size_t activation_bytes(int64_t k) {
+/* Bytes of one coded activation row of k columns; `decode`: with the Q4_K kernel's copy (VNNI). */
+static size_t activation_bytes(int64_t k, int decode) {
     const size_t padded = (size_t)whole_spans(k);
-    return 2 * padded + 2 * (padded / GROUP) * sizeof(float);
+    const size_t coded = 2 * padded + 2 * (padded / GROUP) * sizeof(float);
+#if defined(Q8_VNNI)
+    if (decode) return 2 * coded;
+#endif
+    (void)decode;
+    return coded;
 }
 
-static CodedActivations activation_layout(uint8_t *base, int64_t k) {
+static CodedActivations activation_layout(uint8_t *base, int64_t k, int decode) {
     const size_t padded = (size_t)whole_spans(k);
     CodedActivations a;
     a.q = (int8_t *)base;
     a.lanes = (int8_t *)(base + padded);
     a.scale = (float *)(base + 2 * padded);
     a.group_sum = a.scale + padded / GROUP;
+    a.k4 = NULL;
+    a.k4_scale = a.k4_group_sum = NULL;
+#if defined(Q8_VNNI)
+    if (decode) {
+        a.k4 = (int8_t *)(a.group_sum + padded / GROUP);
+        a.k4_scale = (float *)(base + 3 * padded + 2 * (padded / GROUP) * sizeof(float));
+        a.k4_group_sum = a.k4_scale + padded / GROUP;
+    }
+#endif
+    (void)decode;
     return a;
 }
+
+#if defined(Q8_VNNI)
+/* The Q4_K decode kernel's order (blocks_q8_decode.c decode_span_k4). It unpacks a super-block's
+   four 64-code vectors from two 64-byte loads: vector p (low or high nibbles of 64 bytes) holds in
+   its 128-bit block b the natural group K4_GROUPS[4b + p]; lane n of its group sums (after the
+   pack-and-add reduction) holds that group. So the activations go in that order (vector p's 64
+   values: the groups K4_GROUPS[p], [4 + p], [8 + p], [12 + p]), their scales by lane likewise,
+   and the offset factor in lane n is that of natural group lane_group(K4_GROUPS[n]) (the coded path
+   adds in lane n the sum term of group LANE_GROUPS[n] and the offset term of group n). */
+static const int K4_GROUPS[16] = {0, 2, 8, 10, 1, 3, 9, 11, 4, 6, 12, 14, 5, 7, 13, 15};
+static inline int lane_group(int n) { return 4 * (n % 4) + n / 4; } /* LANE_GROUPS[n] */
+
+static void k4_order_span(CodedActivations a, int64_t span) {
+    const int64_t g0 = span * SPAN_GROUPS;
+    for (int p = 0; p < 4; p++)
+        for (int b = 0; b < 4; b++) memcpy(a.k4 + SPAN * span + 64 * p + 16 * b, a.q + GROUP * (g0 + K4_GROUPS[4 * b + p]), GROUP);
+    for (int n = 0; n < 16; n++) {
+        a.k4_scale[g0 + n] = a.scale[g0 + K4_GROUPS[n]];
+        a.k4_group_sum[g0 + n] = a.group_sum[g0 + lane_group(K4_GROUPS[n])];
+    }
+}
+#endif
 
 /* Rounds span `span` (SPAN columns) of x[k] to 8 bits per group of 16 (the weights' group):
    scale = max|x| / 127, q = round(x · 127 / max|x|), and writes the span's lane layout. Groups of 16
@@ -437,6 +480,9 @@ static void code_activation_span(const float *restrict x, int64_t k, CodedActiva
         }
         a.group_sum[g] = scale * (float)sum;
     }
+#if defined(Q8_VNNI)
+    if (a.k4) k4_order_span(a, span);
+#endif
     memcpy(a.lanes + SPAN * span, a.q + SPAN * span, SPAN);
     span_to_lanes((uint8_t *)a.lanes + SPAN * span, a.scale + SPAN_GROUPS * span);
 }
@@ -659,7 +705,8 @@ static uint8_t *calling_thread_scratch(size_t bytes) {
 static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, float *y, int threads) {
     const int64_t k = w->in_features, n_total = w->out_features;
     const int64_t tiles = (n_total + TILE_ROWS - 1) / TILE_ROWS;
-    const size_t x_bytes = (activation_bytes(k) + 63) & ~(size_t)63;
+    const int one_row = rows == 1;
+    const size_t x_bytes = (activation_bytes(k, one_row) + 63) & ~(size_t)63;
     int64_t x_block = CODED_BLOCK_BYTES / (int64_t)x_bytes;
     if (x_block < 16) x_block = 16;
     if (x_block > rows) x_block = rows;
@@ -693,7 +740,7 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
 #pragma omp for schedule(static)
             for (int64_t item = 0; item < (m1 - m0) * row_spans; item++) {
                 const int64_t row = m0 + item / row_spans;
-                code_activation_span(x + row * k, k, activation_layout(activations + (size_t)(row - m0) * x_bytes, k), item % row_spans);
+                code_activation_span(x + row * k, k, activation_layout(activations + (size_t)(row - m0) * x_bytes, k, one_row), item % row_spans);
             }
 #pragma omp for schedule(static)
             for (int64_t tile = 0; tile < tiles; tile++) {
@@ -704,7 +751,7 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
                 for (int64_t r = 0; r < TILE_ROWS; r++) /* a short last tile repeats its first row */
                     sources[r] = source_row(w, n0 + (r < count ? r : 0), &types[r]);
                 if (rows == 1 && decodes_tile(types, count)) { /* the same numbers, without the codes' round trip */
-                    const CodedActivations a = activation_layout(activations, k);
+                    const CodedActivations a = activation_layout(activations, k, 1);
                     float totals[TILE_ROWS];
                     decode_tile(types, sources, count, k, &a, totals);
                     for (int64_t r = 0; r < count; r++) y[n0 + r] = w->bias ? totals[r] + w->bias[n0 + r] : totals[r];
@@ -714,7 +761,7 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
                     for (int64_t j0 = m0; j0 < m1; j0 += DECODE_ROWS) {
                         const int64_t n = m1 - j0 < DECODE_ROWS ? m1 - j0 : DECODE_ROWS;
                         CodedActivations a[DECODE_ROWS];
-                        for (int64_t j = 0; j < n; j++) a[j] = activation_layout(activations + (size_t)(j0 + j - m0) * x_bytes, k);
+                        for (int64_t j = 0; j < n; j++) a[j] = activation_layout(activations + (size_t)(j0 + j - m0) * x_bytes, k, 0);
                         decode_tile_rows(types, sources, count, k, a, n, y + j0 * n_total + n0, n_total);
                     }
                     if (w->bias)
@@ -734,10 +781,10 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
                     }
                     const int64_t span_len = whole_spans(len);
                     for (int64_t row = m0; row < m1; row++) {
-                        const CodedActivations a = activation_layout(activations + (size_t)(row - m0) * x_bytes, k);
+                        const CodedActivations a = activation_layout(activations + (size_t)(row - m0) * x_bytes, k, 0);
 #if defined(Q8_VNNI)
                         if (row + 1 < m1) {
-                            const CodedActivations next = activation_layout(activations + (size_t)(row + 1 - m0) * x_bytes, k);
+                            const CodedActivations next = activation_layout(activations + (size_t)(row + 1 - m0) * x_bytes, k, 0);
                             coded_tile_step_pair(&a, &next, c0, span_len, chunk, codes, d, m, m_ld, &sums[row - m0], &sums[row + 1 - m0]);
                             row++;
                             continue;
