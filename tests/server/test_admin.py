@@ -164,7 +164,9 @@ def test_unknown_model_is_404(http, action, name):
 
 
 def test_budget_body_is_validated(http):
-    for body in ({"bytes": -1}, {"bytes": "lots"}, {"bytes": 2**60}, {}, {"bytes": 10, "extra": 1}):
+    bad = ({"bytes": -1}, {"bytes": "lots"}, {"bytes": 2**60}, {}, {"bytes": 10, "extra": 1})
+    coerced = ({"bytes": False}, {"bytes": True}, {"bytes": "1000000000"}, {"bytes": 1e9})  # no type coercion
+    for body in bad + coerced:
         assert_error(http.post("/admin/budget", json=body), 400)
 
 

@@ -5,7 +5,10 @@ What this module owns: every field polylane accepts on `/v1/completions` and
 pydantic before anything reaches the engine), the conversion to `SamplingParams`, and the JSON
 shapes of responses and streamed chunks. Fields OpenAI defines that polylane does not implement
 (logprobs, echo, penalties, tools, …) are refused with a 400 naming them rather than ignored.
-Unknown extra fields are ignored, as OpenAI's own clients send some.
+Unknown extra fields are ignored, as OpenAI's own clients send some. Every model is strict: a value
+is taken only in its own JSON type (an integer where a float is asked excepted), so `"1"`, `true`
+or `1.0` is never read as the integer 1, nor `"false"` or `0` as a boolean, nor `["12", "34"]` as
+token ids; each is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -46,11 +49,17 @@ _UNSUPPORTED = (
 )
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    """No coercion across JSON types (pydantic's strict mode; subclasses inherit it)."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Strict):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="ignore")
@@ -154,12 +163,12 @@ class CompletionRequest(_Sampling):
         return self.prompt  # type: ignore[return-value]
 
 
-class TextPart(BaseModel):
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Strict):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer"]
@@ -198,7 +207,7 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens or self.max_tokens
 
 
-class BudgetRequest(BaseModel):
+class BudgetRequest(_Strict):
     model_config = ConfigDict(extra="forbid")
 
     bytes: Annotated[int, Field(ge=0, le=2**50)]
