@@ -1,6 +1,7 @@
 """Fuzzing a live server with hypothesis: random JSON bodies shaped after the request models (right
 and wrong types, out-of-range numbers, unknown fields), junk bodies, random paths and methods, and
-admin calls with random names and budgets. Never a 5xx; errors always in OpenAI's shape; the
+admin calls with random names and budgets. Never a 5xx but the deadline's 503 (a valid request that
+asks for many tokens runs past the short deadline here); errors always in OpenAI's shape; the
 engine alive, no reservation or KV block leaked, and a normal request served afterwards.
 
 The server here has a tiny default max_tokens and a short deadline, so a random request that is
@@ -150,7 +151,8 @@ def http(live: LiveServer):
 
 
 def _check(response: httpx.Response) -> None:
-    assert response.status_code < 500, (response.status_code, response.text[:500])
+    deadline = response.status_code == 503 and response.json()["error"]["code"] == "request_timeout"
+    assert response.status_code < 500 or deadline, (response.status_code, response.text[:500])
     if response.status_code >= 400:
         assert_error(response, response.status_code)
         assert len(response.content) < 2000, response.text[:300]
@@ -174,7 +176,7 @@ def _post(http: httpx.Client, path: str, body: Any) -> None:
         event(f"param {error['param']}: {error['message'][:60]}")
     if response.status_code == 200:
         choices = response.json()["choices"]
-        assert choices and all(c["finish_reason"] in ("stop", "length", "deadline") for c in choices), choices
+        assert choices and all(c["finish_reason"] in ("stop", "length") for c in choices), choices
 
 
 @settings(FUZZ, max_examples=60)
@@ -255,9 +257,13 @@ def test_after_fuzzing_the_engine_is_alive_and_nothing_leaked(http, live):
     wait_until(lambda: live.state.admission.requests == 0, what="admission to drain")
     assert live.state.admission.tokens == 0
     wait_blocks_free(live.state)
-    for name in MODELS:
-        response = http.post("/v1/completions", json={"model": name, "prompt": "Hello", "max_tokens": 2})
-        assert response.status_code == 200, response.text
+    for name in MODELS:  # a model evicted by a fuzzed budget reloads first: past the 2 s deadline, a 503
+        body = {"model": name, "prompt": "Hello", "max_tokens": 2}
+        wait_until(
+            lambda body=body: http.post("/v1/completions", json=body).status_code == 200,
+            timeout=60,
+            what=name,
+        )
     assert http.get("/health").status_code == 200
     stats = live.engine.stats()
     assert stats.max_concurrent_decode <= 1

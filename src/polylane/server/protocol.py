@@ -21,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from polylane.types import SamplingParams
 
+# The finish reasons a client sees; the engine's others ("error", "deadline", "abort") are errors.
+FINISH_REASONS = ("stop", "length")
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 256
 # Upper bounds that no model reaches, so a huge number is refused by type, never echoed back.

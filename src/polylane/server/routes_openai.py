@@ -160,9 +160,10 @@ async def _serve(
         return JSONResponse(protocol.error_body_gone(), status_code=499)
     for completion in completions:
         state.metrics.observe(completion)
-    failed = next((c for c in completions if c.finish_reason == "error"), None)
-    if failed is not None:
-        raise ApiError(503, failed.error or "the model failed", code="model_unavailable")
+    for completion in completions:
+        if completion.finish_reason not in protocol.FINISH_REASONS:
+            message, code = _failure(completion.finish_reason, completion.error, limits)
+            raise ApiError(503, message, code=code, headers={"Retry-After": "1"})
     choices = [protocol.choice(i, c.text, c.finish_reason, chat) for i, c in enumerate(completions)]
     usage = protocol.usage(
         len(prompt_ids), sum(len(c.token_ids) for c in completions), completions[0].cached_tokens
@@ -184,6 +185,21 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._finish()
+
+
+def _failure(reason: str | None, error: str | None, limits: Any) -> tuple[str, str]:
+    """The message and code of a request the server ended without an answer (finish reasons that
+    are not OpenAI's: "error", "deadline", "abort"): its status is 503, or a final SSE error event
+    once the stream has begun."""
+    if reason == "deadline":
+        return (
+            f"the request ran past the server's deadline of {limits.request_timeout_s:g} s "
+            "(limits.request_timeout_s); it may succeed when the server is less busy",
+            "request_timeout",
+        )
+    if reason == "abort":
+        return "the server ended the request (its model was evicted or the server is stopping)", "aborted"
+    return error or "the model failed", "model_unavailable"
 
 
 def _prompt_ids(state: ServerState, model: str, body: Any, chat: bool) -> list[int]:
@@ -286,14 +302,16 @@ async def _stream(
 ) -> AsyncIterator[str]:
     try:
         started = [False] * len(handles)
-        error: str | None = None
+        error: tuple[str, str] | None = None
         async for index, event in _events(handles):
-            if event.finish_reason == "error":
-                error = event.error or "the model failed"
-            if not event.text and event.finish_reason is None:
+            finish_reason = event.finish_reason
+            if finish_reason is not None and finish_reason not in protocol.FINISH_REASONS:
+                error = error or _failure(finish_reason, event.error, state.limits)
+                finish_reason = None  # the error event below ends the stream
+            if not event.text and finish_reason is None:
                 continue
             chunk = protocol.chunk_body(
-                request_id, body.model, index, event.text, event.finish_reason, chat, not started[index]
+                request_id, body.model, index, event.text, finish_reason, chat, not started[index]
             )
             started[index] = True
             yield f"data: {json.dumps(chunk)}\n\n"
@@ -301,7 +319,7 @@ async def _stream(
         for completion in completions:
             state.metrics.observe(completion)
         if error is not None:
-            yield f"data: {json.dumps(error_body(503, error, None, 'model_unavailable'))}\n\n"
+            yield f"data: {json.dumps(error_body(503, error[0], None, error[1]))}\n\n"
         if body.include_usage:
             usage = protocol.usage(
                 len(handles[0].prompt_ids),
