@@ -574,6 +574,7 @@ class Engine:
                 output.generated += 1
                 tokens.append(token)
                 if token in output.stop_ids and not output.params.ignore_eos:
+                    text += output.stops.push(output.detokenizer.flush())
                     text, reason = text + output.stops.flush(), "stop"
                     break
                 text += output.stops.push(output.detokenizer.push(token))
@@ -581,7 +582,8 @@ class Engine:
                     reason = "stop"
                     break
                 if output.generated >= output.params.max_tokens:
-                    text, reason = text + output.stops.flush(), "length"
+                    text += output.stops.push(output.detokenizer.flush())  # a character cut short: U+FFFD
+                    text, reason = text + output.stops.flush(), ("stop" if output.stops.stopped else "length")
                     break
             if reason is None:
                 handle._push(StreamEvent(text, tuple(tokens)), wakes)

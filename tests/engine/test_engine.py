@@ -207,6 +207,20 @@ def test_stop_string_split_across_two_tokens_is_never_emitted():
     assert stopped.text == plain.text[: plain.text.index(stop)]
 
 
+def test_a_character_cut_by_max_tokens_is_returned_not_dropped():
+    with Engine(EngineConfig(budget_bytes=4 * 2**30)) as engine:
+        served = engine.add_model(SMOL, dtype=DTYPE, kv_tokens=KV_TOKENS)
+        prompt = "Crab: 🦀. Crab: 🦀. Crab: 🦀. Crab:"  # greedy answers " 🦀", three tokens
+        whole = engine.generate(SMOL, prompt, SamplingParams(max_tokens=4))
+        assert whole.text.startswith(" 🦀"), whole.text
+        cut = [n for n in range(1, 4) if served.tokenizer.decode(whole.token_ids[:n]).endswith("\ufffd")]
+        assert cut, "the emoji is not split across tokens"
+        for n in cut:
+            short = engine.generate(SMOL, prompt, SamplingParams(max_tokens=n))
+            assert short.finish_reason == "length"
+            assert short.text == served.tokenizer.decode(short.token_ids) == " \ufffd", short.text
+
+
 def test_a_prompt_longer_than_the_context_is_refused_with_both_counts():
     with Engine(EngineConfig(budget_bytes=4 * 2**30)) as engine:
         served = engine.add_model(SMOL, dtype=DTYPE, kv_tokens=KV_TOKENS)

@@ -3,7 +3,9 @@
 Decoding a token alone is wrong for byte-level BPE (a character may span tokens) and for
 SentencePiece (a leading space depends on the previous token). So each new piece is the text of
 a short window of recent tokens minus the text of the same window without the newest ones, and
-nothing is emitted while the window ends inside a UTF-8 character.
+nothing is emitted while the window ends inside a UTF-8 character. When the request ends (its
+token budget or its end-of-sequence token), `flush` gives what is still held back, a character cut
+by the last token as U+FFFD, as Hugging Face's decode and vLLM show it — never silently dropped.
 """
 
 from __future__ import annotations
@@ -28,3 +30,13 @@ class IncrementalDetokenizer:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         return full[len(prefix) :]
+
+    def flush(self) -> str:
+        """The text of the tokens not emitted yet (a character cut short ends in U+FFFD)."""
+        if self.read_offset == len(self.token_ids):
+            return ""
+        decode = self.tokenizer.decode
+        prefix = decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = decode(self.token_ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        return full[len(prefix) :] if len(full) > len(prefix) else ""
