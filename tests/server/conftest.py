@@ -144,6 +144,7 @@ def assert_error(
     assert set(error) == {"message", "type", "param", "code"}, error
     assert isinstance(error["message"], str) and error["message"], error
     assert isinstance(error["type"], str) and error["type"], error
+    assert isinstance(error["code"], str) and error["code"], error  # never null
     if param is not ...:
         assert error["param"] == param, error
     if code is not ...:

@@ -30,6 +30,22 @@ _TYPES = {
 }
 
 
+# The code of an error raised without one of its own: no error leaves the server with a null code.
+_CODES = {
+    400: "invalid_value",
+    401: "invalid_api_key",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "request_too_large",
+    422: "invalid_value",
+    429: "rate_limit_exceeded",
+    499: "client_closed",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+
 class ApiError(Exception):
     def __init__(
         self,
@@ -53,7 +69,7 @@ def error_body(
             "message": message,
             "type": _TYPES.get(status, "server_error"),
             "param": param,
-            "code": code,
+            "code": code or _CODES.get(status, "error"),
         }
     }
 
@@ -105,9 +121,10 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:
         message = error.detail if isinstance(error.detail, str) else "request refused"
+        code = None
         if error.status_code == 404:
-            message = "no such route"
-        return error_response(error.status_code, message, headers=getattr(error, "headers", None))
+            message, code = "no such route", "route_not_found"
+        return error_response(error.status_code, message, code=code, headers=getattr(error, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, error: Exception) -> JSONResponse:  # a bug: say so, stay up

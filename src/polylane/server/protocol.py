@@ -292,6 +292,6 @@ def error_body_gone() -> dict[str, Any]:
             "message": "client closed the request",
             "type": "client_closed",
             "param": None,
-            "code": None,
+            "code": "client_closed",
         }
     }
