@@ -403,6 +403,13 @@ class Engine:
         self._inbox.put(("abort", (request_id, reason)))
         self._wake.set()
 
+    def requests_in_flight(self) -> dict[str, int]:
+        """Per model, its requests accepted and not yet ended (any thread may ask)."""
+        counts: dict[str, int] = {}
+        for output in list(self._outputs.values()):  # a copy: the loop adds and removes meanwhile
+            counts[output.handle.model] = counts.get(output.handle.model, 0) + 1
+        return counts
+
     def stats(self) -> EngineStats:
         return self.stats_recorder.snapshot(
             self.scheduler.counters,

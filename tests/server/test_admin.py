@@ -5,6 +5,7 @@ eviction series and the lane invariant (max concurrent decode 1)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -69,7 +70,9 @@ def test_load_pin_unpin_evict(http, live):
     assert loaded.status_code == 200, loaded.text
     assert loaded.json()["id"] == SMOL and loaded.json()["state"] == "resident"
     assert loaded.json()["bytes"] > 100 * 2**20
-    assert loaded.json()["in_flight"] == 0, "the load's lease was not given back"
+    assert loaded.json()["in_flight"] == 0
+    lease = next(info for info in live.engine.manager.snapshot() if info.name == SMOL)
+    assert lease.in_flight == 0, "the load's lease was not given back"
 
     pinned = http.post(f"/admin/models/{SMOL}/pin")
     assert pinned.status_code == 200 and pinned.json()["pinned"] is True
@@ -113,6 +116,27 @@ def test_a_model_with_a_request_in_flight_is_not_evicted(http, live):
             assert "in flight" in busy.json()["error"]["message"]
     _idle(http, SMOL)  # leaving the stream aborted the request and gave the lease back
     assert _models(http)[SMOL]["state"] == "resident"
+
+
+def test_in_flight_counts_requests_not_leases(http, live):
+    # four of these fit the 512-token KV reservation together, and outlast the four stream openings
+    body = {
+        "model": SMOL,
+        "prompt": "Tell a long story.",
+        "max_tokens": 100,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    readers = []  # kept: a dropped line iterator closes its connection, which aborts the request
+    with contextlib.ExitStack() as streams:
+        for _ in range(4):
+            response = streams.enter_context(http.stream("POST", "/v1/completions", json=body))
+            readers.append(response.iter_lines())
+            next(line for line in readers[-1] if line.startswith("data: "))  # decoding now
+        assert _models(http)[SMOL]["in_flight"] == 4
+        metrics = http.get("/metrics").text
+        assert f'polylane_model_in_flight{{model="{SMOL}"}} 4.0' in metrics
+    _idle(http, SMOL)  # leaving the streams aborted the requests
 
 
 def test_budget_below_the_pinned_footprint_is_refused_and_changes_nothing(http, live):

@@ -41,14 +41,15 @@ class _EngineCollector:
         )
         pinned = GaugeMetricFamily("polylane_model_pinned", "1 when the model is pinned", labels=["model"])
         in_flight = GaugeMetricFamily(
-            "polylane_model_in_flight", "leases held on the model", labels=["model"]
+            "polylane_model_in_flight", "requests accepted and not yet ended", labels=["model"]
         )
+        requests = self.engine.requests_in_flight()
         for info in snapshot:
             for name in _STATES:
                 state.add_metric([info.name, name], 1.0 if info.state == name else 0.0)
             size.add_metric([info.name], info.bytes)
             pinned.add_metric([info.name], 1.0 if info.pinned else 0.0)
-            in_flight.add_metric([info.name], info.in_flight)
+            in_flight.add_metric([info.name], requests.get(info.name, 0))
         yield from (state, size, pinned, in_flight)
 
         counters = stats.residency.pool

@@ -46,6 +46,7 @@ async def list_models(request: Request) -> dict[str, Any]:
     state = server_state(request)
     served = state.engine.models
     data = []
+    in_flight = state.engine.requests_in_flight()
     for info in state.engine.manager.snapshot():
         model = served.get(info.name)
         if model is None:
@@ -59,7 +60,7 @@ async def list_models(request: Request) -> dict[str, Any]:
                 "state": info.state,
                 "bytes": info.bytes,
                 "pinned": info.pinned,
-                "in_flight": info.in_flight,
+                "in_flight": in_flight.get(info.name, 0),  # requests, not residency leases
                 "dtype": info.dtype,
                 "max_context": model.max_context,
                 "chat": model.tokenizer.has_chat_template,
