@@ -272,6 +272,14 @@ async def _wait(request: Request, handles: list[RequestHandle]) -> list[Completi
     finally:
         if not gathered.done():
             gathered.cancel()
+        gathered.add_done_callback(_retrieved)
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Mark a cancelled gather's outcome as seen: asyncio logs an unseen one as an error with a
+    traceback ("exception was never retrieved") on every client that disconnects."""
+    if not future.cancelled():
+        future.exception()
 
 
 async def _events(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, StreamEvent]]:
