@@ -665,6 +665,12 @@ static inline float lanes_total(const float *lanes) {
 
 /* ---------------------------------------------------------------- products */
 
+static int has_segment(const BlockMatrix *w, int64_t type) {
+    for (int64_t s = 0; s < w->num_segments; s++)
+        if (w->segments[s].type == type) return 1;
+    return 0;
+}
+
 static int coded_matrix(const BlockMatrix *w) {
     for (int64_t s = 0; s < w->num_segments; s++)
         if (!has_codes(w->segments[s].type)) return 0;
@@ -705,7 +711,7 @@ static uint8_t *calling_thread_scratch(size_t bytes) {
 static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, float *y, int threads) {
     const int64_t k = w->in_features, n_total = w->out_features;
     const int64_t tiles = (n_total + TILE_ROWS - 1) / TILE_ROWS;
-    const int one_row = rows == 1;
+    const int one_row = rows == 1 && has_segment(w, GGML_Q4_K); /* the Q4_K kernel's activation copy */
     const size_t x_bytes = (activation_bytes(k, one_row) + 63) & ~(size_t)63;
     int64_t x_block = CODED_BLOCK_BYTES / (int64_t)x_bytes;
     if (x_block < 16) x_block = 16;
@@ -751,7 +757,7 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
                 for (int64_t r = 0; r < TILE_ROWS; r++) /* a short last tile repeats its first row */
                     sources[r] = source_row(w, n0 + (r < count ? r : 0), &types[r]);
                 if (rows == 1 && decodes_tile(types, count)) { /* the same numbers, without the codes' round trip */
-                    const CodedActivations a = activation_layout(activations, k, 1);
+                    const CodedActivations a = activation_layout(activations, k, one_row);
                     float totals[TILE_ROWS];
                     decode_tile(types, sources, count, k, &a, totals);
                     for (int64_t r = 0; r < count; r++) y[n0 + r] = w->bias ? totals[r] + w->bias[n0 + r] : totals[r];
