@@ -78,6 +78,61 @@ def test_truncated_tensor_data_says_truncated(smollm2_bytes: bytes, tmp_path: Pa
     assert f"{cut:,}" in error, f"message does not give the file size {cut:,}: {error}"
 
 
+def _with_nan(smollm2_bytes: bytes, path: Path, tensor: str, byte: int) -> Path:
+    """A copy of SmolLM2's file with the float at `byte` of `tensor`'s data set to NaN (a float32
+    in an F32 tensor, else a float16: a block's scale)."""
+    from polylane.runtime.gguf_file import GGUFFile
+
+    source = catalog.resolve("smollm2-135m-instruct", quiet=True).path
+    info = GGUFFile(source).tensors[tensor]
+    nan = np.array([np.nan], dtype=np.float32 if info.type_id == 0 else np.float16).tobytes()
+    data = bytearray(smollm2_bytes)
+    data[info.offset + byte : info.offset + byte + len(nan)] = nan
+    path.write_bytes(bytes(data))
+    return path
+
+
+# (tensor, byte of it set to NaN, what the message calls it): a Q4_1 block's d and m, a Q8_0
+# block's d (the embedding, also the output matrix), an F32 norm's values
+NAN_CASES = [
+    ("blk.3.ffn_down.weight", 20 * 7, "block scales"),
+    ("blk.5.attn_q.weight", 20 * 3 + 2, "block scales"),
+    ("token_embd.weight", 34 * 100, "block scales"),
+    ("blk.2.attn_norm.weight", 4 * 10, "values"),
+]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "auto"])
+@pytest.mark.parametrize(("tensor", "byte", "kind"), NAN_CASES)
+def test_a_nan_in_the_file_fails_its_load_naming_the_tensor(
+    smollm2_bytes: bytes, tmp_path: Path, tensor: str, byte: int, kind: str, dtype: str
+) -> None:
+    from polylane.runtime.gguf_in_place import load_gguf_in_place
+
+    path = _with_nan(smollm2_bytes, tmp_path / "nan.gguf", tensor, byte)
+    with pytest.raises(LoadError) as caught:
+        load_gguf_in_place(path) if dtype == "auto" else load_gguf(path, dtype)
+    _assert_short_traceback(caught.value)
+    message = _problem(caught.value, path)
+    assert f"tensor {tensor!r} has 1 NaN or infinite {kind}" in message, message
+    assert "corrupt" in message, message
+
+
+def test_the_nan_tests_change_bytes_the_model_reads(smollm2_bytes: bytes, tmp_path: Path) -> None:
+    # The control: the same bytes made a finite float16 load, and change what the model computes.
+    from polylane.runtime.gguf_file import GGUFFile
+
+    source = catalog.resolve("smollm2-135m-instruct", quiet=True).path
+    intact = GGUFFile(source)
+    for tensor, byte, _ in NAN_CASES:
+        info = intact.tensors[tensor]
+        assert byte + 4 <= info.num_bytes, f"{tensor}: byte {byte} is outside its data"
+        assert intact.nonfinite_count(tensor) == 0, f"{tensor} is not finite in the intact file"
+        changed = GGUFFile(_with_nan(smollm2_bytes, tmp_path / f"{tensor}.gguf", tensor, byte))
+        assert changed.nonfinite_count(tensor) == 1, f"{tensor}: the NaN at byte {byte} is not a scale"
+        assert not np.isfinite(changed.read(tensor)).all(), f"{tensor}: dequantised values stay finite"
+
+
 def test_header_cut_is_a_clear_load_error(smollm2_bytes: bytes, tmp_path: Path) -> None:
     path = tmp_path / "smollm2-header.gguf"
     path.write_bytes(smollm2_bytes[:HEADER_CUT_BYTES])
@@ -161,6 +216,22 @@ def test_hf_folder_missing_tensor(tiny_llama_folder: Path, tmp_path: Path) -> No
     assert "missing" in message, f"{message}"
     assert DROPPED_FUSED_NAME in message, f"message does not name {DROPPED_FUSED_NAME}: {message}"
     assert "layers.0.mlp.down_proj" not in message, f"names a tensor that is there: {message}"
+    _assert_short_traceback(caught.value)
+
+
+def test_hf_folder_with_an_infinite_value_fails_naming_the_tensor(
+    tiny_llama_folder: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "infinite"
+    folder.mkdir()
+    (folder / "config.json").write_text((tiny_llama_folder / "config.json").read_text())
+    tensors = load_file(tiny_llama_folder / "model.safetensors")
+    tensors[DROPPED_TENSOR][3, 5] = float("inf")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(LoadError) as caught:
+        load_hf_folder(folder, "fp32")
+    message = str(caught.value)
+    assert f"tensor {DROPPED_TENSOR!r} has 1 NaN or infinite values" in message, message
     _assert_short_traceback(caught.value)
 
 

@@ -1,6 +1,6 @@
 """ResidencyManager on real models: a budget that holds two of three evicts the least recently used;
-unloading gives the memory back; a broken file fails only its own admission; many threads never
-exceed the budget nor lose a model in use.
+unloading gives the memory back; a broken file (truncated, corrupt header, NaN block scales) fails
+only its own admission; many threads never exceed the budget nor lose a model in use.
 """
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 
 from polylane.policy.residency import NoRoomError
+from polylane.runtime.gguf_file import GGUFFile
 from polylane.runtime.loader import estimate_weight_bytes
 from polylane.runtime.model_kv import Extend
 from polylane.runtime.residency import ModelLoadError, ResidencyManager
@@ -39,6 +41,16 @@ def _next_token(lease, text: str = "The capital of France is") -> int:
 
 def _states(manager: ResidencyManager) -> dict[str, str]:
     return {info.name: info.state for info in manager.snapshot()}
+
+
+def _pool_of(snapshot) -> list[tuple]:
+    """What residency holds: each model's state, bytes, pin and loads (not when it was last asked
+    for: a failed load past admission counts as a use)."""
+    return [(i.name, i.state, i.bytes, i.pinned, i.in_flight, i.loads) for i in snapshot]
+
+
+def _pool(manager: ResidencyManager) -> list[tuple]:
+    return _pool_of(manager.snapshot())
 
 
 def test_budget_for_two_of_three_evicts_the_least_recently_used(record_property):
@@ -113,11 +125,17 @@ def test_a_broken_file_fails_only_its_own_admission(tmp_path):
         truncated.write_bytes(handle.read(4 * 2**20))
     corrupt = tmp_path / "corrupt.gguf"
     corrupt.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    nan_scales = tmp_path / "nan-scales.gguf"  # a valid header, one block scale overwritten
+    data = bytearray(source.path.read_bytes())
+    start = GGUFFile(source.path).tensors["blk.4.ffn_up.weight"].offset
+    data[start : start + 2] = np.array([np.nan], dtype=np.float16).tobytes()
+    nan_scales.write_bytes(bytes(data))
     manager = ResidencyManager(int(1.5 * (_estimate(SMOL) + KV_ALLOWANCE)))
     manager.register(SMOL, dtype="bf16", kv_tokens=KV_TOKENS)
     manager.register("truncated", str(truncated), dtype="bf16")
     manager.register("corrupt", str(corrupt), dtype="bf16")
     manager.register("missing", str(tmp_path / "nowhere.gguf"), dtype="bf16")
+    manager.register("nan-scales", str(nan_scales), dtype="auto")
     manager.register("too-big", SMOL, dtype="fp32", kv_tokens=KV_TOKENS)
     with manager.acquire(SMOL) as lease:
         token = _next_token(lease)
@@ -126,13 +144,14 @@ def test_a_broken_file_fails_only_its_own_admission(tmp_path):
         ("truncated", "truncated"),
         ("corrupt", "not a valid GGUF"),
         ("missing", "nowhere.gguf"),
+        ("nan-scales", "'blk.4.ffn_up.weight' has 1 NaN or infinite block scales"),
     ]:
         with pytest.raises(ModelLoadError, match=message):
             manager.acquire(name)
-        assert manager.snapshot() == before, f"a failed load of {name} changed the pool"
+        assert _pool(manager) == _pool_of(before), f"a failed load of {name} changed the pool"
     with pytest.raises(NoRoomError, match="too-big"):
         manager.acquire("too-big")  # fp32 needs twice the bytes and the budget is pinned by nothing
-    assert manager.snapshot() == before
+    assert _pool(manager) == _pool_of(before)
     with manager.acquire(SMOL) as lease:
         assert _next_token(lease) == token, "the resident model stopped serving"
     manager.close()

@@ -28,6 +28,17 @@ _STRING, _ARRAY = 8, 9
 _MAX_DECODED_ARRAY = 4096
 
 
+FLOAT32_TYPE, FLOAT16_TYPE, BFLOAT16_TYPE = 0, 1, 30
+FLOAT_TYPES = (FLOAT32_TYPE, FLOAT16_TYPE, BFLOAT16_TYPE)
+# ggml type id → (bytes per block, byte offsets of the block's float16 scales): the formats with
+# kernels (`runtime.block_weights`) and the other common ones (Q2_K, Q3_K, IQ4_NL, IQ4_XS).
+HALF_SCALE_OFFSETS = {
+    2: (18, (0,)), 3: (20, (0, 2)), 6: (22, (0,)), 7: (24, (0, 2)), 8: (34, (0,)),
+    10: (84, (80, 82)), 11: (110, (108,)), 12: (144, (0, 2)), 13: (176, (0, 2)), 14: (210, (208,)),
+    20: (18, (0,)), 23: (136, (0,)),
+}  # fmt: skip
+
+
 class GGUFFormatError(ValueError):
     """The bytes are not a well-formed GGUF file."""
 
@@ -192,6 +203,25 @@ class GGUFFile:
         info = self.tensors[name]
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
         return self._data[info.offset : info.offset + info.num_bytes].reshape(rows, -1)
+
+    def nonfinite_count(self, name: str) -> int | None:
+        """How many of tensor `name`'s floats are NaN or infinite: its values (F32, F16, BF16) or its
+        blocks' float16 scales (the formats of HALF_SCALE_OFFSETS: a block's values are finite
+        exactly when its scales are, the codes being integers); None for another format (then its
+        dequantised values tell). Reads the floats' bytes only, straight from the mapping."""
+        info = self.tensors[name]
+        data = self._data[info.offset : info.offset + info.num_bytes]
+        if info.type_id == FLOAT32_TYPE:
+            return int(np.count_nonzero(~np.isfinite(data.view(np.float32))))
+        if info.type_id == FLOAT16_TYPE:
+            return int(np.count_nonzero((data[1::2] & 0x7C) == 0x7C))  # all five exponent bits set
+        if info.type_id == BFLOAT16_TYPE:
+            return int(np.count_nonzero((data.view(np.uint16) & 0x7F80) == 0x7F80))
+        if info.type_id not in HALF_SCALE_OFFSETS:
+            return None
+        block_bytes, offsets = HALF_SCALE_OFFSETS[info.type_id]
+        blocks = data.reshape(-1, block_bytes)
+        return sum(int(np.count_nonzero((blocks[:, offset + 1] & 0x7C) == 0x7C)) for offset in offsets)
 
     def type_name(self, name: str) -> str:
         import gguf

@@ -24,6 +24,7 @@ from polylane.runtime.loader import (
     LoadedWeights,
     LoadError,
     build,
+    check_finite,
     gguf_config,
     gguf_tensors,
     hf_name,
@@ -60,6 +61,7 @@ def load_gguf_in_place(path: str | Path, progress: bool = False, activation_bits
         info = file.tensors[gguf_name]
         if len(info.shape) != 2:
             raise LoadError(f"{path}: tensor {gguf_name!r} has shape {info.shape}, expected a matrix")
+        check_finite(file, gguf_name)
         block = BlockTensor(gguf_name, info.type_id, info.shape[0], info.shape[1], file.raw(gguf_name))
         if (problem := unsupported(block)) is not None:
             raise LoadError(f"{path}: {problem}; load it with --dtype fp32 or bf16 (dequantised) instead")

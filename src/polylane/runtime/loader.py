@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from polylane.runtime.gguf_file import GGUFFile, GGUFFormatError
+from polylane.runtime.gguf_file import FLOAT_TYPES, GGUFFile, GGUFFormatError
 from polylane.runtime.layers import interleave_rotary_rows
 from polylane.runtime.model_config import ModelConfig
 from polylane.runtime.models import ARCHITECTURES, HF_MODEL_TYPES
@@ -97,6 +97,19 @@ def _read_tensor(file: GGUFFile, name: str) -> np.ndarray:
         ) from None
 
 
+def check_finite(file: GGUFFile, name: str) -> None:
+    """A tensor whose floats (values, or its blocks' scales) include NaN or Inf fails the load: a
+    corrupt file would otherwise be served, answering with garbage."""
+    count = file.nonfinite_count(name)
+    if count:
+        kind = "values" if file.tensors[name].type_id in FLOAT_TYPES else "block scales"
+        raise _nonfinite(file.path, name, count, kind)
+
+
+def _nonfinite(path: Path, name: str, count: int, kind: str) -> LoadError:
+    return LoadError(f"{path}: tensor {name!r} has {count:,} NaN or infinite {kind}: the file is corrupt")
+
+
 GGUF_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -127,7 +140,11 @@ def gguf_tensors(
         name = hf_name(gguf_name, module)
         if name is None:
             continue
-        array = module.transform_gguf_tensor(name, _read_tensor(file, gguf_name), config)
+        check_finite(file, gguf_name)
+        values = _read_tensor(file, gguf_name)
+        if file.nonfinite_count(gguf_name) is None and not np.isfinite(values).all():
+            raise _nonfinite(file.path, gguf_name, int(np.count_nonzero(~np.isfinite(values))), "values")
+        array = module.transform_gguf_tensor(name, values, config)
         if not array.flags.writeable or not array.flags.c_contiguous:
             array = np.array(array, order="C")  # memory-mapped F32 tensors are read-only
         yield name, torch.from_numpy(array)
@@ -198,9 +215,12 @@ def load_hf_folder(path: str | Path, dtype: str | torch.dtype = "fp32") -> Loade
                     if hf_name.startswith("model.language_model."):
                         hf_name = "model." + hf_name.removeprefix("model.language_model.")
                     try:
-                        yield hf_name, handle.get_tensor(name).float()
+                        tensor = handle.get_tensor(name).float()
                     except Exception as error:
                         raise LoadError(f"{file}: cannot read tensor {name!r} ({error})") from None
+                    if not torch.isfinite(tensor).all():
+                        raise _nonfinite(file, name, int((~torch.isfinite(tensor)).sum()), "values")
+                    yield hf_name, tensor
 
     model = build(model_class, config, parse_dtype(dtype), tensors(), path)
     return LoadedWeights(config, model, _parameter_bytes(model))
