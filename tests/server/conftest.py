@@ -88,13 +88,16 @@ def start_server(
     kv_tokens: int = KV_TOKENS,
     pinned: tuple[str, ...] = (),
     dtype: str = "fp32",
+    more: tuple[ModelDecl, ...] = (),
 ) -> LiveServer:
+    """`more`: models declared as they are (a file of the test's own) after `models`."""
     for name in models:
         fetch_or_skip(name)
     config = ServerConfig(
         models=tuple(
             ModelDecl(name, name, dtype=dtype, pinned=name in pinned, kv_tokens=kv_tokens) for name in models
-        ),
+        )
+        + more,
         budget_bytes=budget_bytes,
         api_key=api_key,
         limits=limits or Limits(),

@@ -147,8 +147,23 @@ async def _serve(
         state.admission.release(reserved)
 
     if body.stream:
+        events = _events(handles)
+        try:
+            first = await _first_event(request, events)
+        except BaseException:
+            finish()
+            raise
+        if first is None:  # the client went away; nobody reads a response
+            finish()
+            return JSONResponse(protocol.error_body_gone(), status_code=499)
+        index, event = first
+        if event.finish_reason is not None and event.finish_reason not in protocol.FINISH_REASONS:
+            finish()  # failed before a token: an error status, not a 200 and an error event
+            state.metrics.observe(handles[index].result(timeout=0))
+            message, code = _failure(event.finish_reason, event.error, limits)
+            raise ApiError(503, message, code=code, headers={"Retry-After": "1"})
         return _EventStream(
-            _stream(state, request_id, body, handles, chat, finish),
+            _stream(state, request_id, body, handles, chat, finish, first, events),
             finish,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -306,13 +321,48 @@ async def _events(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Stre
             task.cancel()
 
 
+async def _first_event(
+    request: Request, events: AsyncIterator[tuple[int, StreamEvent]]
+) -> tuple[int, StreamEvent] | None:
+    """The stream's first event, awaited before the response starts (so a request that fails before
+    its first token, its model unable to load or its deadline passed in the queue, gets an error
+    status); None if the client disconnected first."""
+    first = asyncio.ensure_future(anext(events))
+    try:
+        while True:
+            done, _ = await asyncio.wait({first}, timeout=0.25)
+            if done:
+                return first.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not first.done():
+            first.cancel()
+            first.add_done_callback(_retrieved)
+
+
+async def _then(
+    first: tuple[int, StreamEvent], rest: AsyncIterator[tuple[int, StreamEvent]]
+) -> AsyncIterator[tuple[int, StreamEvent]]:
+    yield first
+    async for item in rest:
+        yield item
+
+
 async def _stream(
-    state: ServerState, request_id: str, body: Any, handles: list[RequestHandle], chat: bool, finish: Any
+    state: ServerState,
+    request_id: str,
+    body: Any,
+    handles: list[RequestHandle],
+    chat: bool,
+    finish: Any,
+    first: tuple[int, StreamEvent],
+    rest: AsyncIterator[tuple[int, StreamEvent]],
 ) -> AsyncIterator[str]:
     try:
         started = [False] * len(handles)
         error: tuple[str, str] | None = None
-        async for index, event in _events(handles):
+        async for index, event in _then(first, rest):
             finish_reason = event.finish_reason
             if finish_reason is not None and finish_reason not in protocol.FINISH_REASONS:
                 error = error or _failure(finish_reason, event.error, state.limits)
