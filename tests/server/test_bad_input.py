@@ -210,6 +210,20 @@ CASES = [
     Case("echo", COMPLETIONS, _c(echo=True), 400, "echo"),
     Case("tools", CHAT, _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     Case("best_of", COMPLETIONS, _c(best_of=3), 400, "best_of"),
+    Case("tool_choice-required", CHAT, _chat(tool_choice="required"), 400, "tool_choice"),
+    Case(
+        "tool_choice-named",
+        CHAT,
+        _chat(tool_choice={"type": "function", "function": {"name": "f"}}),
+        400,
+        "tool_choice",
+    ),
+    Case("grammar", COMPLETIONS, _c(grammar='root ::= "yes" | "no"'), 400, "grammar"),
+    Case("json_schema", CHAT, _chat(json_schema={"type": "object"}), 400, "json_schema"),
+    Case("guided_json", CHAT, _chat(guided_json={"type": "object"}), 400, "guided_json"),
+    Case("guided_choice", COMPLETIONS, _c(guided_choice=["a", "b"]), 400, "guided_choice"),
+    Case("guided_regex", COMPLETIONS, _c(guided_regex="[0-9]+"), 400, "guided_regex"),
+    Case("json_object", CHAT, _chat(response_format={"type": "json_object"}), 400, "response_format"),
     # long junk in fields: refused without echoing it
     Case("junk-model", COMPLETIONS, _c(model=JUNK), 400, "model"),
     Case("junk-temperature", COMPLETIONS, _c(temperature=JUNK), 400, "temperature"),
@@ -302,6 +316,8 @@ def test_after_the_table_a_normal_request_succeeds_and_health_is_ok(http, live):
         {"stop": ["\u00e9", "\U0001f600", "\n"]},
         {"prompt": "\u0000"},
         {"prompt": [0]},
+        {"tool_choice": "none", "parallel_tool_calls": False},  # no tools: plain text honours them
+        {"tool_choice": "auto", "parallel_tool_calls": True},
     ],
     ids=lambda f: ",".join(f"{k}={v!r}"[:30] for k, v in f.items()),
 )

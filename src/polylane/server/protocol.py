@@ -4,7 +4,9 @@ What this module owns: every field polylane accepts on `/v1/completions` and
 `/v1/chat/completions`, its type and range (a bad value is a 400 naming the field, raised by
 pydantic before anything reaches the engine), the conversion to `SamplingParams`, and the JSON
 shapes of responses and streamed chunks. Fields OpenAI defines that polylane does not implement
-(logprobs, echo, penalties, tools, …) are refused with a 400 naming them rather than ignored.
+(logprobs, echo, penalties, tools, a required or named tool_choice, …) and the constrained decoding
+of llama.cpp and vLLM (grammar, json_schema, guided_*) are refused with a 400 naming them rather
+than ignored.
 Unknown extra fields are ignored, as OpenAI's own clients send some. Every model is strict: a value
 is taken only in its own JSON type (an integer where a float is asked excepted), so `"1"`, `true`
 or `1.0` is never read as the integer 1, nor `"false"` or `0` as a boolean, nor `["12", "34"]` as
@@ -48,6 +50,13 @@ _UNSUPPORTED = (
     "suffix",
     "tools",
     "response_format",
+    # llama.cpp's and vLLM's constrained decoding (until structured outputs land)
+    "grammar",
+    "json_schema",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 )
 
 
@@ -92,6 +101,15 @@ class _Sampling(_Strict):
     suffix: Any = None
     tools: Any = None
     response_format: Any = None
+    grammar: Any = None
+    json_schema: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    # Without tools, "none" and "auto" mean plain text (honoured); a required or named call is not.
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None  # (no tools, so no calls: honoured either way)
 
     @field_validator("stop")
     @classmethod
