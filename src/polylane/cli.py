@@ -158,7 +158,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from polylane.server.app import serve
 
     file_data = server_config.load_config_file(args.config) if args.config else {}
-    known = {"budget", "api_key", "host", "port", "lane_policy", "models", "device", "threads"}
+    known = {"budget", "api_key", "host", "port", "lane_policy", "models", "device", "threads", "strict"}
     unknown = set(file_data) - known
     if unknown:
         raise server_config.ConfigError(f"{args.config}: unknown settings {sorted(unknown)}")
@@ -190,6 +190,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key or file_data.get("api_key") or os.environ.get("POLYLANE_API_KEY") or None,
         lane_policy=args.lane_policy or str(file_data.get("lane_policy", "throughput")),
         threads=server_config.parse_threads(args.threads or file_data.get("threads", 0)),
+        strict=args.strict or file_data.get("strict") is True,
     )
     if args.ray:
         try:
@@ -241,6 +242,11 @@ def build_parser() -> argparse.ArgumentParser:
         "per core other processes keep busy; N fixes N",
     )
     serve.add_argument("--pin", action="append", help="never evict this model for room (repeatable)")
+    serve.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit if any declared model cannot be served (default: serve the others, report it)",
+    )
     serve.add_argument(
         "--dtype",
         choices=WEIGHT_DTYPES,

@@ -288,3 +288,12 @@ def test_cli_generate_corrupt_file(tmp_path: Path) -> None:
     completed = _run_cli("generate", str(path), "hi")
     _assert_one_error_line(completed)
     assert "magic" in completed.stderr, completed.stderr
+
+
+def test_cli_serve_strict_exits_on_a_bad_file_among_good_ones(tmp_path: Path) -> None:
+    # (without --strict the others serve: tests/server/test_load_failure.py)
+    path = tmp_path / "corrupt.gguf"
+    path.write_bytes(b"GGUX" + bytes(64))
+    completed = _run_cli("serve", "smollm2-135m-instruct", str(path), "--strict", "--port", "1")
+    _assert_one_error_line(completed)
+    assert "magic" in completed.stderr and str(path) in completed.stderr, completed.stderr

@@ -134,21 +134,31 @@ def build_state(config: ServerConfig, *, quiet: bool = False) -> ServerState:
         )
     )
     aliases: dict[str, str] = {}
+    unavailable: dict[str, str] = {}
     try:
         for model in config.models:
-            engine.add_model(
-                model.name,
-                model.source,
-                dtype=model.dtype,
-                pinned=model.pinned,
-                kv_tokens=model.kv_tokens,
-                speculation=model.speculation,
-            )
+            try:
+                engine.add_model(
+                    model.name,
+                    model.source,
+                    dtype=model.dtype,
+                    pinned=model.pinned,
+                    kv_tokens=model.kv_tokens,
+                    speculation=model.speculation,
+                )
+            except Exception as error:  # a bad file fails only its own model, unless strict
+                if config.strict or len(config.models) == 1:
+                    raise
+                unavailable[model.name] = str(error)
+                log.error("model %s is not served: %s", model.name, error)
+                print(f"polylane: {model.name} is not served: {error}", file=sys.stderr, flush=True)
             aliases.update({alias: model.name for alias in model.aliases})
+        if not engine.models:
+            raise ValueError("none of the declared models can be served: " + "; ".join(unavailable.values()))
     except BaseException:
         engine.close()
         raise
-    return ServerState(engine, config.limits, config.api_key, aliases)
+    return ServerState(engine, config.limits, config.api_key, aliases, unavailable)
 
 
 def serve(config: ServerConfig) -> None:
@@ -159,7 +169,7 @@ def serve(config: ServerConfig) -> None:
     for line in version_text(config.threads).splitlines():
         print(f"polylane: {line}", file=sys.stderr, flush=True)
     state = build_state(config)
-    first = config.models[0].name
+    first = next(m.name for m in config.models if m.name in state.engine.models)
     started = time.perf_counter()
     print(f"polylane: loading {first} …", file=sys.stderr, flush=True)
     try:
@@ -171,7 +181,7 @@ def serve(config: ServerConfig) -> None:
         print(
             f"polylane: {first} loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True
         )
-    names = ", ".join(m.name for m in config.models)
+    names = ", ".join(m.name for m in config.models if m.name in state.engine.models)
     print(
         f"polylane: serving {names} on http://{config.host}:{config.port}/v1 "
         f"(budget {config.budget_bytes / 2**30:.2f} GiB)",

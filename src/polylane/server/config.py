@@ -94,6 +94,7 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     device: str = "auto"
     threads: int = 0  # compute threads (EngineConfig.threads): 0 adapts to the machine's load
+    strict: bool = False  # a declared model that cannot be registered stops the start (else others serve)
 
 
 def parse_threads(value: object) -> int:

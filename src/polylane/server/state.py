@@ -21,6 +21,7 @@ class ServerState:
     limits: Limits
     api_key: str | None = None
     aliases: dict[str, str] = field(default_factory=dict)  # alias → served model name
+    unavailable: dict[str, str] = field(default_factory=dict)  # declared, failed at start → why
     admission: Admission = field(init=False)
     metrics: ServerMetrics = field(init=False)
 
@@ -31,6 +32,14 @@ class ServerState:
     def resolve(self, name: str) -> str:
         served = self.engine.models
         canonical = self.aliases.get(name, name)
+        if canonical in self.unavailable:
+            raise ApiError(
+                503,
+                f"model {canonical!r} is declared but not served: it failed at start "
+                f"({self.unavailable[canonical][:300]})",
+                param="model",
+                code="model_unavailable",
+            )
         if canonical not in served:
             names = sorted([*served, *self.aliases])
             raise ApiError(
