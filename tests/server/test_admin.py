@@ -240,3 +240,28 @@ def test_metrics(http, live):
     assert _value(families["polylane_other_cpu_load"], "polylane_other_cpu_load") >= 0
     assert _value(families["polylane_process_cpu_seconds"], "polylane_process_cpu_seconds_total") > 0
     assert all(s.name.startswith("polylane_") for samples in families.values() for s in samples)
+
+
+def test_kv_blocks_on_metrics_follow_a_request(http, live):
+    def blocks() -> dict[str, float]:
+        samples = _metrics(http)["polylane_kv_blocks"]
+        uses = ("held", "cached", "free")
+        return {use: _value(samples, "polylane_kv_blocks", model=SMOL, use=use) for use in uses}
+
+    prompt = "Count slowly from one to one hundred, one number per line: " * 8
+    body = {"model": SMOL, "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, response.read()
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))  # decoding now
+        during = blocks()
+        for _ in lines:
+            pass
+    _idle(http, SMOL)
+    after = blocks()
+    total = 512 // 16  # kv_tokens / block size
+    assert sum(during.values()) == sum(after.values()) == total, (during, after)
+    assert during["held"] >= 1, during  # the request's own blocks (its prompt's full blocks are cached)
+    assert after["held"] == 0 and after["cached"] >= len(prompt) // 4 // 16, after
+    usage = _value(_metrics(http)["polylane_kv_usage"], "polylane_kv_usage", model=SMOL)
+    assert usage == 0, usage

@@ -95,6 +95,16 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class KVBlocks:
+    """A resident model's KV blocks: all of its reservation, those requests alone hold, and those in
+    the prefix cache (reusable; requests may share them; the unshared ones are dropped for room)."""
+
+    total: int
+    held: int
+    cached: int
+
+
+@dataclass(frozen=True)
 class ManagerCounters:
     pool: ResidencyCounters
     load_seconds: float  # total seconds spent loading (paging in)
@@ -264,6 +274,18 @@ class ResidencyManager:
     def snapshot(self) -> list[ModelInfo]:
         with self._lock:
             return [self._info(state) for state in self._pool.snapshot()]
+
+    def kv_blocks(self) -> dict[str, KVBlocks]:
+        """Per resident model, its KV blocks (read without the engine's lock: a scrape's view)."""
+        with self._lock:
+            handles = {state.name: self._pool.handle(state.name) for state in self._pool.snapshot()}
+        blocks = {}
+        for name, resident in handles.items():
+            if resident is None:
+                continue
+            pool, cached = resident.kv.pool, resident.kv.tree.num_cached_blocks
+            blocks[name] = KVBlocks(pool.num_blocks, pool.num_blocks - pool.num_free - cached, cached)
+        return blocks
 
     def counters(self) -> ManagerCounters:
         with self._lock:

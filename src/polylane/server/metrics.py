@@ -2,8 +2,8 @@
 
 What this module owns: the server's histograms (TTFT and TPOT per model, observed as requests
 finish) and a collector that reads the engine at scrape time: per-model residency state and
-bytes, compute threads, the other processes' CPU load and this process's CPU time, lane share and
-decode steps, requests by finish reason, generated tokens, evictions by
+bytes, KV blocks (held, cached, free), compute threads, the other processes' CPU load and this
+process's CPU time, lane share and decode steps, requests by finish reason, generated tokens, evictions by
 cause, prefix-cache hits, the observed most models decoding at once, speculation per (target,
 drafter) pair, and the admission queue.
 """
@@ -51,6 +51,22 @@ class _EngineCollector:
             pinned.add_metric([info.name], 1.0 if info.pinned else 0.0)
             in_flight.add_metric([info.name], requests.get(info.name, 0))
         yield from (state, size, pinned, in_flight)
+
+        blocks = GaugeMetricFamily(
+            "polylane_kv_blocks",
+            "a resident model's KV blocks: held by requests alone, in the prefix cache (reusable; "
+            "requests may share them), or free",
+            labels=["model", "use"],
+        )
+        usage = GaugeMetricFamily(
+            "polylane_kv_usage", "share of a resident model's KV blocks requests alone hold", labels=["model"]
+        )
+        for name, kv in self.engine.manager.kv_blocks().items():
+            blocks.add_metric([name, "held"], kv.held)
+            blocks.add_metric([name, "cached"], kv.cached)
+            blocks.add_metric([name, "free"], kv.total - kv.held - kv.cached)
+            usage.add_metric([name], kv.held / kv.total)
+        yield from (blocks, usage)
 
         counters = stats.residency.pool
         yield GaugeMetricFamily(
