@@ -135,7 +135,7 @@ def test_a_broken_file_fails_only_its_own_admission(tmp_path):
     manager.register("truncated", str(truncated), dtype="bf16")
     manager.register("corrupt", str(corrupt), dtype="bf16")
     manager.register("missing", str(tmp_path / "nowhere.gguf"), dtype="bf16")
-    manager.register("nan-scales", str(nan_scales), dtype="auto")
+    manager.register("nan-scales", str(nan_scales), dtype="auto", kv_tokens=KV_TOKENS)  # fits beside
     manager.register("too-big", SMOL, dtype="fp32", kv_tokens=KV_TOKENS)
     with manager.acquire(SMOL) as lease:
         token = _next_token(lease)
@@ -201,4 +201,25 @@ def test_threads_never_exceed_the_budget_nor_lose_a_model_in_use():
     assert all(info.in_flight == 0 for info in manager.snapshot())
     counters = manager.counters().pool
     assert counters.misses >= 3 and counters.evictions["room"] >= 1, f"{counters}"
+    manager.close()
+
+
+def test_admission_counts_the_kv_reservation_before_loading():
+    source = fetch_or_skip(SMOL)
+    weights = estimate_weight_bytes(source.path, source.format, "auto")
+    manager = ResidencyManager(weights + 2**20)  # room for the weights, not for their 4,096-token KV
+    manager.register(SMOL, dtype="auto", kv_tokens=4096)
+    (cold,) = manager.snapshot()
+    assert cold.bytes > weights + 40 * 2**20, (cold.bytes, weights)  # the KV is counted before the load
+    with pytest.raises(NoRoomError) as caught:
+        manager.acquire(SMOL)
+    assert "measured" not in str(caught.value), caught.value  # refused at admission, not after a load
+    (refused,) = manager.snapshot()
+    assert refused.state == "cold" and refused.loads == 0, refused
+    manager.set_budget(cold.bytes)  # exactly what residency expects it to hold
+    with manager.acquire(SMOL) as lease:
+        assert _next_token(lease) >= 0
+        (loaded,) = manager.snapshot()
+        assert loaded.loads == 1 and cold.bytes - 2**20 <= loaded.bytes <= cold.bytes, (cold, loaded)
+        assert manager.counters().pool.used_bytes <= manager.budget_bytes
     manager.close()

@@ -25,7 +25,7 @@ from polylane.runtime.loader import (
 )
 from polylane.runtime.model_config import ModelConfig
 from polylane.runtime.models.base import DecoderModel
-from polylane.runtime.native.stack import NativeStack
+from polylane.runtime.native.stack import NativeStack, runs_natively
 from polylane.runtime.native.stack import kernel_name as native_kernel_name
 from polylane.runtime.quantize import QUANTISED_FORMATS, module_bytes, quantize_model
 from polylane.runtime.tokenizer import Tokenizer, load_tokenizer
@@ -40,6 +40,53 @@ def block_kernels_problem() -> str | None:
     except BlockKernelsUnavailable as error:
         return str(error)
     return None
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """How `load_model` builds a model of `source` at a dtype, decided from the file and the
+    machine alone (so the KV cache's size is known before the load: `kv_cache_bytes`)."""
+
+    in_place: bool  # the GGUF file's blocks computed in place
+    activation_bits: int | None  # in place: 8 or 32
+    dtype: str | torch.dtype  # the dtype asked, "auto" resolved where the file is not used in place
+    quantised: str | None  # "int4" or "int8": the quantised twin
+    run_dtype: torch.dtype  # the activations' dtype
+    kernels_problem: str | None  # why "auto" could not use the file in place here
+
+    @classmethod
+    def of(cls, source: catalog.ModelSource, dtype: str | torch.dtype, target: torch.device) -> LoadPlan:
+        activation_bits = IN_PLACE_ACTIVATION_BITS.get(dtype) if isinstance(dtype, str) else None
+        in_place = activation_bits is not None and source.format == "gguf" and target.type == "cpu"
+        problem = block_kernels_problem() if in_place else None
+        if problem is not None:
+            in_place = False
+        if activation_bits is not None and not in_place:
+            dtype = auto_dtype(source, target)
+        quantised = dtype if isinstance(dtype, str) and dtype in QUANTISED_FORMATS else None
+        run_dtype = torch.float32 if quantised or in_place else parse_dtype(dtype)
+        return cls(in_place, activation_bits if in_place else None, dtype, quantised, run_dtype, problem)
+
+    def half_kv(self, native: bool) -> bool:
+        """bf16 K/V: int4 and int8 models, and a file's blocks with 8-bit activations, on the
+        native stack (see LoadedModel.kv_cache_dtype)."""
+        return native and (self.quantised is not None or (self.in_place and self.activation_bits == 8))
+
+
+def kv_cache_bytes(
+    source: catalog.ModelSource,
+    dtype: str | torch.dtype,
+    config: ModelConfig,
+    slots: int,
+    device: str | torch.device = "auto",
+) -> int:
+    """The bytes of a KV cache of `slots` token slots that `load_model(source, dtype)` would give,
+    known before loading (residency admits a model by its weights and this)."""
+    target = resolve_device(device)
+    plan = LoadPlan.of(source, dtype, target)
+    native = target.type == "cpu" and runs_natively(config)
+    element = torch.bfloat16 if plan.half_kv(native) else plan.run_dtype
+    return 2 * config.num_layers * slots * config.num_kv_heads * config.head_dim * element.itemsize
 
 
 @dataclass
@@ -93,33 +140,29 @@ def load_model(
     target = resolve_device(device)  # a missing device fails before anything is read
     source = catalog.resolve(name_or_path, quiet=quiet)
     started = time.perf_counter()
-    activation_bits = IN_PLACE_ACTIVATION_BITS.get(dtype) if isinstance(dtype, str) else None
-    in_place = activation_bits is not None and source.format == "gguf" and target.type == "cpu"
-    if in_place and (problem := block_kernels_problem()) is not None:
+    plan = LoadPlan.of(source, dtype, target)
+    if (problem := plan.kernels_problem) is not None:
         log.warning("%s: %s; dtype %s dequantises it to fp32 instead", source.name, problem, dtype)
-        in_place = False
-    if activation_bits is not None and not in_place:
-        dtype = auto_dtype(source, target)
-    quantised = dtype if isinstance(dtype, str) and dtype in QUANTISED_FORMATS else None
-    run_dtype = torch.float32 if quantised or in_place else parse_dtype(dtype)
+    in_place, run_dtype = plan.in_place, plan.run_dtype
     if in_place:
-        weights = load_gguf_in_place(source.path, progress=not quiet, activation_bits=activation_bits)
+        bits = plan.activation_bits or 8
+        weights = load_gguf_in_place(source.path, progress=not quiet, activation_bits=bits)
     else:
         weights = _load_weights(source, run_dtype, quiet, convert_cache)
     weight_bytes = weights.weight_bytes
-    if quantised:
-        quantize_model(weights.model, quantised)
+    if plan.quantised:
+        quantize_model(weights.model, plan.quantised)
         weight_bytes = module_bytes(weights.model)
     tokenizer = load_tokenizer(source)
     # Per-layer digests for the cross-model prefill share: hashed once per file, then cached
     # (from the host's tensors, so that they are the same whatever device the model then runs on).
-    digest = model_digest(source, dtype, weights.model, weights.config, tokenizer, run_dtype)
+    digest = model_digest(source, plan.dtype, weights.model, weights.config, tokenizer, run_dtype)
     place_model(weights.model, target)
     weights.model.native_stack = NativeStack.build(weights.model)
     native = weights.model.native_stack is not None
-    half_kv = native and (quantised is not None or (in_place and activation_bits == 8))
+    half_kv = plan.half_kv(native)
     if in_place:
-        arithmetic = "8-bit activations" if activation_bits == 8 else "float32 activations"
+        arithmetic = "8-bit activations" if plan.activation_bits == 8 else "float32 activations"
         kernels = f"the {block_isa_name()} block kernels ({arithmetic})"
         between = "the native stack" if native else "torch"
         path = f"{formats_summary(weights.model)} read in place by {kernels}, {between} between"

@@ -43,8 +43,14 @@ from polylane.policy.residency import (
 )
 from polylane.runtime.device import resolve_device
 from polylane.runtime.load_thread import run_in_transient_thread
-from polylane.runtime.loaded_model import LoadedModel, load_model
-from polylane.runtime.loader import IN_PLACE_ACTIVATION_BITS, LoadError, estimate_weight_bytes, parse_dtype
+from polylane.runtime.loaded_model import LoadedModel, kv_cache_bytes, load_model
+from polylane.runtime.loader import (
+    IN_PLACE_ACTIVATION_BITS,
+    LoadError,
+    estimate_weight_bytes,
+    parse_dtype,
+    read_config,
+)
 from polylane.runtime.model_kv import ModelKV
 from polylane.runtime.quantize import QUANTISED_FORMATS
 from polylane.types import DEFAULT_DTYPE
@@ -301,21 +307,28 @@ class ResidencyManager:
     # ------------------------------------------------------------------ internals
 
     def _estimate(self, spec: ModelSpec) -> int:
+        """What the model will hold once loaded, from its header: weights and KV reservation (so a
+        model is admitted, and others evicted for it, by what it takes: no load found too large)."""
         try:
-            source = catalog.resolve(spec.source, quiet=self.quiet)
-            weights = estimate_weight_bytes(source.path, source.format, _estimate_dtype(spec.dtype))
+            return self._holding(spec, catalog.resolve(spec.source, quiet=self.quiet))
         except (LoadError, catalog.ModelNotFoundError, catalog.FetchError, OSError) as error:
             raise ModelLoadError(f"cannot load model {spec.name!r} from {spec.source}: {error}") from error
-        return weights  # the KV reservation is added when the loaded model is measured
 
-    @staticmethod
-    def _local_estimate(spec: ModelSpec) -> int:
-        """The header's weight bytes if the file is on disk already; 0 (unknown) otherwise."""
+    def _local_estimate(self, spec: ModelSpec) -> int:
+        """_estimate's bytes if the file is on disk already; 0 (unknown) otherwise."""
         try:
-            source = catalog.resolve(spec.source, fetch_missing=False, quiet=True)
-            return estimate_weight_bytes(source.path, source.format, _estimate_dtype(spec.dtype))
+            return self._holding(spec, catalog.resolve(spec.source, fetch_missing=False, quiet=True))
         except Exception:  # not fetched yet, or unreadable: the load reports it properly
             return 0
+
+    def _holding(self, spec: ModelSpec, source: catalog.ModelSource) -> int:
+        weights = estimate_weight_bytes(source.path, source.format, _estimate_dtype(spec.dtype))
+        slots = -(-spec.kv_tokens // self.block_size) * self.block_size
+        config = read_config(source.path, source.format)
+        if spec.dtype in IN_PLACE_ACTIVATION_BITS and source.format == "gguf":
+            # the in-place model's Q and K row maps (int64 per row, where rotary order reorders them)
+            weights += config.num_layers * (config.num_heads + config.num_kv_heads) * config.head_dim * 8
+        return weights + kv_cache_bytes(source, spec.dtype, config, slots, self.device)
 
     def _load(self, spec: ModelSpec) -> ResidentModel:
         """Load on a thread that ends with the load, whichever thread asks (the server's main

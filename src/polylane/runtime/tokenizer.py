@@ -2,8 +2,10 @@
 
 GGUF files carry their vocabulary, merges and chat template; `transformers` turns them into a fast
 (`tokenizers`) tokenizer. That conversion takes 10–40 s for large vocabularies, so the result is
-saved once under the cache directory, keyed by the file's path, size and modification time, and
-later loads read the saved `tokenizer.json` in well under a second.
+saved once under the cache directory, keyed by the file's content (`runtime.file_identity`: a
+name, size and modification time can be shared by two different files, and one would then get the
+other's vocabulary), and later loads read the saved `tokenizer.json` in well under a second. The
+MAX_SAVED most recently used are kept.
 
 Chat templates come from model files, i.e. from strangers: `transformers` renders them in a
 sandboxed Jinja2 environment.
@@ -11,6 +13,7 @@ sandboxed Jinja2 environment.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from polylane.catalog import ModelSource, cache_dir
+from polylane.runtime.file_identity import content_digest
 
 # Tokens that end an assistant turn in the chat formats of the models we serve.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>")
@@ -93,10 +97,21 @@ def tokenizer_digest(backend: Any) -> str:
     return hasher.hexdigest()
 
 
+MAX_SAVED = 64  # saved tokenizers kept, most recently used first (each a few MB to tens of MB)
+
+
 def _cache_key(path: Path) -> str:
-    stat = path.stat()
-    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-    return hashlib.sha256(identity.encode()).hexdigest()[:24]
+    return content_digest(path)[:32]
+
+
+def _prune_saved(folder: Path) -> None:
+    """Delete all but the MAX_SAVED most recently used saved tokenizers."""
+    try:
+        entries = sorted((p for p in folder.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime_ns)
+    except OSError:
+        return
+    for stale in entries[: max(0, len(entries) - MAX_SAVED)]:
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 # transformers resolves its names lazily, and two threads doing that at once can see a
@@ -115,6 +130,8 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
         return Tokenizer(AutoTokenizer.from_pretrained(source.path))
     saved = cache_dir() / "tokenizers" / _cache_key(source.path)
     if (saved / "tokenizer.json").is_file():
+        with contextlib.suppress(OSError):
+            os.utime(saved)  # recently used: the last to be pruned
         return Tokenizer(PreTrainedTokenizerFast.from_pretrained(saved))
     backend = AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
     saved.parent.mkdir(parents=True, exist_ok=True)
@@ -124,4 +141,5 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
             os.replace(tmp, saved)
         except OSError:  # another process saved it first
             shutil.rmtree(tmp, ignore_errors=True)
+    _prune_saved(saved.parent)
     return Tokenizer(backend)

@@ -183,6 +183,12 @@ def kernel_name() -> str | None:
     return None if lib is None else KERNELS.get(lib.polylane_kernel())
 
 
+def runs_natively(config: ModelConfig) -> bool:
+    """Whether a CPU model of this shape gets the native stack here (before it is loaded; a
+    projection no kernel takes can still send a loaded one to torch)."""
+    return _config_reason(config) is None and library() is not None
+
+
 def _config_reason(config: ModelConfig) -> str | None:
     if config.architecture not in ("llama", "qwen2", "gemma3"):
         return f"architecture {config.architecture}"
