@@ -158,7 +158,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from polylane.server.app import serve
 
     file_data = server_config.load_config_file(args.config) if args.config else {}
-    known = {"budget", "api_key", "host", "port", "lane_policy", "models", "device", "threads", "strict"}
+    known = {
+        "budget", "api_key", "host", "port", "lane_policy", "models", "device", "threads", "strict",
+        "drain_timeout", "max_queue_seconds",
+    }  # fmt: skip
     unknown = set(file_data) - known
     if unknown:
         raise server_config.ConfigError(f"{args.config}: unknown settings {sorted(unknown)}")
@@ -191,6 +194,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         lane_policy=args.lane_policy or str(file_data.get("lane_policy", "throughput")),
         threads=server_config.parse_threads(args.threads or file_data.get("threads", 0)),
         strict=args.strict or file_data.get("strict") is True,
+        drain_timeout_s=_seconds("drain timeout", args.drain_timeout, file_data.get("drain_timeout", 30)),
+        limits=server_config.Limits(
+            max_queue_s=_seconds(
+                "max queue seconds", args.max_queue_seconds, file_data.get("max_queue_seconds", 120)
+            )
+        ),
     )
     if args.ray:
         try:
@@ -201,6 +210,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 0
     serve(config)
     return 0
+
+
+def _seconds(what: str, flag: float | None, configured: object) -> float:
+    """A duration in seconds from the flag, else the config file (a number >= 0)."""
+    value = flag if flag is not None else configured
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ValueError(f"{what} must be a number of seconds >= 0, got {value!r}")
+    return float(value)
 
 
 class _VersionAction(argparse.Action):
@@ -242,6 +259,16 @@ def build_parser() -> argparse.ArgumentParser:
         "per core other processes keep busy; N fixes N",
     )
     serve.add_argument("--pin", action="append", help="never evict this model for room (repeatable)")
+    serve.add_argument(
+        "--drain-timeout",
+        type=float,
+        help="after SIGTERM, seconds requests in flight may run before they end with an error (default 30)",
+    )
+    serve.add_argument(
+        "--max-queue-seconds",
+        type=float,
+        help="a request not begun after this many seconds gets 503 with Retry-After (default 120)",
+    )
     serve.add_argument(
         "--strict",
         action="store_true",

@@ -165,6 +165,10 @@ class RequestHandle:
         """Stop this request at the next step; its KV is freed and never cached."""
         self._engine.abort(self.id, reason)
 
+    def abort_if_waiting(self, reason: str) -> None:
+        """Stop this request only if it has not begun (still queued: no prefill, no token)."""
+        self._engine.abort(self.id, reason, unstarted_only=True)
+
     def __iter__(self) -> Iterator[StreamEvent]:
         index = 0
         while True:
@@ -398,9 +402,10 @@ class Engine:
     ) -> Completion:
         return self.submit(model, prompt, params=params).result()
 
-    def abort(self, request_id: int, reason: str = "abort") -> None:
-        """End a request at the next step with `reason` ("abort", or "deadline"); KV freed, not cached."""
-        self._inbox.put(("abort", (request_id, reason)))
+    def abort(self, request_id: int, reason: str = "abort", unstarted_only: bool = False) -> None:
+        """End a request at the next step with `reason` ("abort", "deadline", "queue_timeout",
+        "shutdown"); KV freed, not cached. `unstarted_only`: only if it has not begun."""
+        self._inbox.put(("abort", (request_id, reason, "", unstarted_only)))
         self._wake.set()
 
     def requests_in_flight(self) -> dict[str, int]:

@@ -217,6 +217,21 @@ def test_abort_of_a_running_request_appears_in_the_next_close_and_never_again() 
     assert not scheduler.abort(1) and not scheduler.abort(2)
 
 
+def test_an_unstarted_only_abort_ends_a_queued_request_and_spares_a_begun_one() -> None:
+    # (a queue-time bound: a request that never began is refused; one that began keeps running)
+    scheduler = make("a", max_step_tokens=4)
+    scheduler.add(1, "a", 12)
+    scheduler.add(2, "a", 4)
+    scheduler.add(3, "a", 4)
+    lease(scheduler, "a")
+    step(scheduler, computed={1: 4})  # request 1 is in its prefill, 2 and 3 still queued
+    assert not scheduler.abort(1, "queue_timeout", unstarted_only=True)
+    assert scheduler.abort(3, "queue_timeout", unstarted_only=True)
+    plan = step(scheduler, computed={1: 4})
+    assert plan.close == ((3, "queue_timeout", ""),)
+    assert scheduler.num_unfinished() == 2
+
+
 def test_abort_of_a_request_in_partial_prefill() -> None:
     scheduler = make("a", max_step_tokens=4)
     scheduler.add(1, "a", 12)

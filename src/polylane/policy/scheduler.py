@@ -125,10 +125,17 @@ class Scheduler:
             request_id, model, prompt_len, priority, target=prompt_len, ready_step=self._step
         )
 
-    def abort(self, request_id: int, reason: str = "abort", message: str = "") -> bool:
-        """End a request at the next step (its KV let go, never cached); False if already gone."""
-        if self._requests.pop(request_id, None) is None:
+    def abort(
+        self, request_id: int, reason: str = "abort", message: str = "", unstarted_only: bool = False
+    ) -> bool:
+        """End a request at the next step (its KV let go, never cached); False if already gone, or
+        (`unstarted_only`) if it has begun: any of its prompt computed, or a token given."""
+        request = self._requests.get(request_id)
+        if request is None:
             return False
+        if unstarted_only and (request.generated or request.computed):
+            return False
+        del self._requests[request_id]
         self._closing.append((request_id, reason, message))
         return True
 

@@ -25,6 +25,7 @@ from polylane.policy.scheduler import SchedulerConfig
 from polylane.server import errors, routes_admin, routes_openai
 from polylane.server.config import ServerConfig
 from polylane.server.errors import error_response
+from polylane.server.shutdown import DrainingServer, exit_cleanly_on_sigterm
 from polylane.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -188,4 +189,7 @@ def serve(config: ServerConfig) -> None:
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(create_app(state), host=config.host, port=config.port, log_level="warning")
+    exit_cleanly_on_sigterm()
+    app = create_app(state)
+    server_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning")
+    DrainingServer(server_config, state, config.drain_timeout_s).run()

@@ -81,6 +81,7 @@ class Limits:
     max_waiting_requests: int = 256  # unfinished requests before 429
     max_waiting_tokens: int = 1 << 20  # prompt + max_tokens of unfinished requests before 429
     request_timeout_s: float = 600.0  # a request still running after this ends with "deadline"
+    max_queue_s: float = 120.0  # a request not begun (no prefill) after this gets 503 "queue_timeout"
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ class ServerConfig:
     limits: Limits = field(default_factory=Limits)
     device: str = "auto"
     threads: int = 0  # compute threads (EngineConfig.threads): 0 adapts to the machine's load
+    drain_timeout_s: float = 30.0  # after SIGTERM, how long requests in flight may run before they end
     strict: bool = False  # a declared model that cannot be registered stops the start (else others serve)
 
 

@@ -90,6 +90,9 @@ class _Sampling(_Strict):
     priority: Annotated[int, Field(ge=-100, le=100)] = 0
     user: Annotated[str, Field(max_length=256)] | None = None
     speculation: bool | None = None  # polylane: False turns speculative decoding off for this request
+    # polylane: seconds this request may run (queue included) before it ends as an error; the
+    # server's limits.request_timeout_s bounds it
+    timeout: Annotated[float, Field(gt=0.0, le=1e9)] | None = None
     # Defined by OpenAI, not implemented here: a request that sets them is refused, not ignored.
     logprobs: Any = None
     top_logprobs: Any = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -128,9 +129,15 @@ async def _serve(
     except BaseException:
         state.admission.release(reserved)
         raise
-    timer = asyncio.get_running_loop().call_later(
-        limits.request_timeout_s, lambda: [h.abort("deadline") for h in handles if not h.done]
+    loop = asyncio.get_running_loop()
+    deadline_s = min(limits.request_timeout_s, body.timeout or math.inf)
+    timers = (
+        loop.call_later(deadline_s, lambda: [h.abort("deadline") for h in handles if not h.done]),
+        loop.call_later(
+            limits.max_queue_s, lambda: [h.abort_if_waiting("queue_timeout") for h in handles if not h.done]
+        ),
     )
+    state.open_handles.update(handles)
     request_id = protocol.new_id("chatcmpl" if chat else "cmpl")
 
     finished = False
@@ -140,7 +147,9 @@ async def _serve(
         if finished:
             return
         finished = True
-        timer.cancel()
+        for timer in timers:
+            timer.cancel()
+        state.open_handles.difference_update(handles)
         for handle in handles:
             if not handle.done:
                 handle.abort()
@@ -160,10 +169,9 @@ async def _serve(
         if event.finish_reason is not None and event.finish_reason not in protocol.FINISH_REASONS:
             finish()  # failed before a token: an error status, not a 200 and an error event
             state.metrics.observe(handles[index].result(timeout=0))
-            message, code = _failure(event.finish_reason, event.error, limits)
-            raise ApiError(503, message, code=code, headers={"Retry-After": "1"})
+            raise _failure_error(event.finish_reason, event.error, state, deadline_s)
         return _EventStream(
-            _stream(state, request_id, body, handles, chat, finish, first, events),
+            _stream(state, request_id, body, handles, chat, finish, first, events, deadline_s),
             finish,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
@@ -178,8 +186,7 @@ async def _serve(
         state.metrics.observe(completion)
     for completion in completions:
         if completion.finish_reason not in protocol.FINISH_REASONS:
-            message, code = _failure(completion.finish_reason, completion.error, limits)
-            raise ApiError(503, message, code=code, headers={"Retry-After": "1"})
+            raise _failure_error(completion.finish_reason, completion.error, state, deadline_s)
     choices = [protocol.choice(i, c.text, c.finish_reason, chat) for i, c in enumerate(completions)]
     usage = protocol.usage(
         len(prompt_ids), sum(len(c.token_ids) for c in completions), completions[0].cached_tokens
@@ -203,19 +210,42 @@ class _EventStream(StreamingResponse):
             self._finish()
 
 
-def _failure(reason: str | None, error: str | None, limits: Any) -> tuple[str, str]:
-    """The message and code of a request the server ended without an answer (finish reasons that
-    are not OpenAI's: "error", "deadline", "abort"): its status is 503, or a final SSE error event
-    once the stream has begun."""
+def _failure(
+    reason: str | None, error: str | None, state: ServerState, deadline_s: float
+) -> tuple[str, str, int]:
+    """The message, code and Retry-After seconds of a request the server ended without an answer
+    (finish reasons that are not OpenAI's: "error", "deadline", "queue_timeout", "shutdown",
+    "abort"): its status is 503, or a final SSE error event once the stream has begun. A request
+    that timed out in the queue is told when the requests queued now will have drained, at the
+    rate they have been ending."""
+    limits = state.limits
     if reason == "deadline":
+        own = deadline_s < limits.request_timeout_s
+        where = "the request's timeout" if own else "limits.request_timeout_s"
         return (
-            f"the request ran past the server's deadline of {limits.request_timeout_s:g} s "
-            "(limits.request_timeout_s); it may succeed when the server is less busy",
+            f"the request ran past its deadline of {deadline_s:g} s ({where}); it may succeed when "
+            "the server is less busy",
             "request_timeout",
+            1,
         )
+    if reason == "queue_timeout":
+        retry = state.admission.retry_after_s(limits.max_queue_s)
+        return (
+            f"the request waited {limits.max_queue_s:g} s in the queue without starting "
+            f"(limits.max_queue_s): the server is saturated; retry in about {retry} s",
+            "queue_timeout",
+            retry,
+        )
+    if reason == "shutdown":
+        return "the server is shutting down and its drain timeout has passed", "server_shutting_down", 1
     if reason == "abort":
-        return "the server ended the request (its model was evicted or the server is stopping)", "aborted"
-    return error or "the model failed", "model_unavailable"
+        return "the server ended the request (its model was evicted or the server is stopping)", "aborted", 1
+    return error or "the model failed", "model_unavailable", 1
+
+
+def _failure_error(reason: str | None, error: str | None, state: ServerState, deadline_s: float) -> ApiError:
+    message, code, retry = _failure(reason, error, state, deadline_s)
+    return ApiError(503, message, code=code, headers={"Retry-After": str(retry)})
 
 
 def _prompt_ids(state: ServerState, model: str, body: Any, chat: bool) -> list[int]:
@@ -358,14 +388,15 @@ async def _stream(
     finish: Any,
     first: tuple[int, StreamEvent],
     rest: AsyncIterator[tuple[int, StreamEvent]],
+    deadline_s: float,
 ) -> AsyncIterator[str]:
     try:
         started = [False] * len(handles)
-        error: tuple[str, str] | None = None
+        error: tuple[str, str, int] | None = None
         async for index, event in _then(first, rest):
             finish_reason = event.finish_reason
             if finish_reason is not None and finish_reason not in protocol.FINISH_REASONS:
-                error = error or _failure(finish_reason, event.error, state.limits)
+                error = error or _failure(finish_reason, event.error, state, deadline_s)
                 finish_reason = None  # the error event below ends the stream
             if not event.text and finish_reason is None:
                 continue

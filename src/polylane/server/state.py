@@ -22,6 +22,7 @@ class ServerState:
     api_key: str | None = None
     aliases: dict[str, str] = field(default_factory=dict)  # alias → served model name
     unavailable: dict[str, str] = field(default_factory=dict)  # declared, failed at start → why
+    open_handles: set = field(default_factory=set)  # the RequestHandles of requests not yet ended
     admission: Admission = field(init=False)
     metrics: ServerMetrics = field(init=False)
 
