@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from polylane.engine import Engine, EngineConfig
 from polylane.policy.scheduler import SchedulerConfig
-from polylane.server import errors, routes_admin, routes_openai
+from polylane.server import errors, openapi, routes_admin, routes_openai
 from polylane.server.config import ServerConfig
 from polylane.server.errors import error_response
 from polylane.server.shutdown import DrainingServer, exit_cleanly_on_sigterm
@@ -120,6 +120,7 @@ def create_app(state: ServerState, *, close_engine: bool = True) -> FastAPI:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.add_middleware(GuardMiddleware, api_key=state.api_key, max_body_bytes=state.limits.max_body_bytes)
+    openapi.install(app, state.limits, api_key=state.api_key is not None)
     return app
 
 

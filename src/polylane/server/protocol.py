@@ -40,6 +40,7 @@ def _valid_unicode(text: str) -> None:
 
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
 _UNSUPPORTED = (
     "logprobs",
     "top_logprobs",
@@ -82,7 +83,7 @@ class _Sampling(_Strict):
     top_k: Annotated[int, Field(ge=-1, le=MAX_COUNT)] = 0  # 0 or -1: off (vLLM's convention)
     min_p: Probability = 0.0
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_COUNT)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
