@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -118,6 +119,17 @@ def cached_path(entry: CatalogEntry) -> Path:
 
 def is_cached(entry: CatalogEntry) -> bool:
     return cached_path(entry).is_file()
+
+
+def remove_cached(entry: CatalogEntry) -> int:
+    """Delete the fetched file of `entry` (its folder under the cache directory); the bytes freed
+    (0 when it was not fetched)."""
+    folder = cached_path(entry).parent
+    if not folder.is_dir():
+        return 0
+    freed = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    shutil.rmtree(folder)
+    return freed
 
 
 def fetch(entry: CatalogEntry, *, quiet: bool = False) -> Path:

@@ -5,6 +5,7 @@ polylane serve --ray --replicas N    the same routes over N engines under Ray Se
 polylane models                      the catalogue, with size and whether each is cached
 polylane models inspect A B          the layer band two models share (cross-model prefill share)
 polylane models sibling SRC OUT      write a sibling of SRC with its top layers changed
+polylane rm MODEL ...                remove a fetched model and the weights converted from it
 polylane generate MODEL PROMPT       stream a completion to the terminal
 polylane bench WORKLOAD              measure polylane against its baselines (polylane/bench/)
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from polylane import catalog
 from polylane.types import DEFAULT_DTYPE, WEIGHT_DTYPES
@@ -36,6 +38,26 @@ def _cmd_models(args: argparse.Namespace) -> int:
             f"{entry.size_bytes / 1e6:7,.0f} MB  {cached:6}  {chat}{default}"
         )
     print(f"\ncache: {catalog.cache_dir()}  (set ${catalog.CACHE_ENV} to move it)")
+    return 0
+
+
+def _cmd_rm(args: argparse.Namespace) -> int:
+    """Remove a catalogue model's fetched file and the weights converted from it; for a local file,
+    only its conversions (the file itself is the user's)."""
+    from polylane.runtime.converted import remove_conversions
+
+    for name in args.models:
+        entry = catalog.CATALOG.get(name)
+        path = catalog.cached_path(entry) if entry is not None else Path(name).expanduser()
+        if entry is None and not path.is_file():
+            raise catalog.ModelNotFoundError(f"{name!r}: not a catalogue name nor a .gguf file")
+        conversions = remove_conversions(path) if path.is_file() else []
+        converted = sum(size for _, size in conversions)
+        fetched = catalog.remove_cached(entry) if entry is not None and not args.converted_only else 0
+        parts = [f"{len(conversions)} converted entries ({converted / 1e6:,.0f} MB)"]
+        if entry is not None and not args.converted_only:
+            parts.insert(0, f"the fetched file ({fetched / 1e6:,.0f} MB)" if fetched else "no fetched file")
+        print(f"{name}: removed {' and '.join(parts)}")
     return 0
 
 
@@ -244,6 +266,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
+    rm = commands.add_parser(
+        "rm", help="remove a fetched model and its converted weights (a .gguf path: only its conversions)"
+    )
+    rm.add_argument("models", nargs="+", help="catalogue name or .gguf file")
+    rm.add_argument(
+        "--converted-only", action="store_true", help="keep the fetched file, remove its conversions"
+    )
+    rm.set_defaults(run=_cmd_rm)
     serve = commands.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API")
     serve.add_argument(
         "models", nargs="*", help=f"catalogue names or paths (default: {catalog.DEFAULT_MODEL})"

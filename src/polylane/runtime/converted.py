@@ -102,6 +102,21 @@ def prune(cap_bytes: int, keep: Path | None = None) -> list[Path]:
     return removed
 
 
+def remove_conversions(source: Path) -> list[tuple[Path, int]]:
+    """Delete every converted entry made from the file `source` (any dtype, any layout version);
+    the removed paths and their sizes."""
+    content = content_digest(source)[:32]
+    removed = []
+    for entry in sorted(converted_dir().glob(f"*-{content}-*.safetensors")):
+        try:
+            size = entry.stat().st_size
+            entry.unlink()
+        except OSError:  # another process removed it meanwhile
+            continue
+        removed.append((entry, size))
+    return removed
+
+
 def load_converted(target: Path, dtype: torch.dtype) -> LoadedWeights | None:
     """The cached conversion, or None when there is none (or it is unreadable: then it is removed)."""
     if not target.is_file():
