@@ -13,7 +13,7 @@ from tests.conftest import fetch_or_skip
 def test_a_short_soak_loses_nothing(tmp_path):
     for name in GOOD_MODELS:
         fetch_or_skip(name)
-    options = SoakOptions(clients=4, seconds=8, admin_every_s=2, cycles=1, disconnect=0.3, workdir=tmp_path)
+    options = SoakOptions(clients=4, seconds=4, admin_every_s=1, cycles=1, disconnect=0.3, workdir=tmp_path)
     report = run_soak(options)
     outcomes = report["outcomes"]
     context = f"{outcomes}, lost: {report['lost_details']}"

@@ -249,7 +249,7 @@ def test_kv_blocks_on_metrics_follow_a_request(http, live):
         return {use: _value(samples, "polylane_kv_blocks", model=SMOL, use=use) for use in uses}
 
     prompt = "Count slowly from one to one hundred, one number per line: " * 8
-    body = {"model": SMOL, "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    body = {"model": SMOL, "prompt": prompt, "max_tokens": 64, "ignore_eos": True, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200, response.read()
         lines = response.iter_lines()

@@ -293,11 +293,14 @@ def _sizes(http: httpx.Client, options: SoakOptions) -> dict[str, int]:
     return {m["id"]: m["bytes"] for m in http.get("/v1/models").json()["data"] if m["id"] in options.models}
 
 
-def _wait_idle(http: httpx.Client, timeout: float = 300.0) -> bool:
+def _wait_idle(http: httpx.Client, timeout: float = 60.0) -> bool:
+    """Until no request is queued and no KV block is held by one (a request ended by its client
+    or an abort gives its blocks back at the engine's next step); False if that never comes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         samples = _metrics(http).get("polylane_queue_requests", [])
-        if samples and samples[0].value == 0:
+        held = [s.value for s in _metrics(http).get("polylane_kv_blocks", []) if s.labels["use"] == "held"]
+        if samples and samples[0].value == 0 and not any(held):
             return True
         time.sleep(0.5)
     return False
@@ -314,14 +317,25 @@ def run_soak(options: SoakOptions) -> dict[str, Any]:
         catalog.resolve(name, quiet=True)  # fetched before the clock starts
     with tempfile.TemporaryDirectory() as scratch:
         folder = options.workdir or Path(scratch)
+        started = time.monotonic()
         server = _Server(options, folder)
         try:
-            return _soak(options, server)
+            report = _soak(options, server)
         finally:
             server.stop()
+        report["phase_seconds"]["start"] = report["phase_seconds"].pop("_ready_at") - started
+        return report
 
 
 def _soak(options: SoakOptions, server: _Server) -> dict[str, Any]:
+    phases: dict[str, float] = {"_ready_at": time.monotonic()}
+    mark = time.monotonic()
+
+    def phase(name: str) -> None:
+        nonlocal mark
+        phases[name] = time.monotonic() - mark
+        mark = time.monotonic()
+
     with httpx.Client(base_url=server.base, timeout=300.0) as http:
         sizes = _sizes(http, options)
         budget = max(sizes.values()) + min(sizes.values()) + (1 << 20)  # not all of them at once
@@ -331,6 +345,7 @@ def _soak(options: SoakOptions, server: _Server) -> dict[str, Any]:
             http.post("/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 1})
         blocks_before = _kv_blocks(http)
         rss_before = server.rss()
+        phase("warm-up")
 
         tally, admin = _Tally(), Counter()
         stop_at = time.monotonic() + options.seconds
@@ -346,7 +361,9 @@ def _soak(options: SoakOptions, server: _Server) -> dict[str, Any]:
         for thread in threads:
             thread.join()
         elapsed = time.monotonic() - started
+        phase("saturation")
         idle = _wait_idle(http)
+        phase("settle")
         blocks_after = _kv_blocks(http)
         evictions = sum(
             s.value for s in _metrics(http).get("polylane_evictions", []) if s.name.endswith("_total")
@@ -358,8 +375,10 @@ def _soak(options: SoakOptions, server: _Server) -> dict[str, Any]:
                 http.post(f"/admin/models/{name}/load")
                 http.post("/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 2})
                 rss_cycles.append(server.rss() / 2**20)
+        phase("cycles")
 
         sigterm = _sigterm_mid_load(http, server, options)
+        phase("sigterm")
     held_after = {name: blocks.get("held", 0.0) for name, blocks in blocks_after.items()}
     report = {
         "options": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(options).items()},
@@ -380,6 +399,7 @@ def _soak(options: SoakOptions, server: _Server) -> dict[str, Any]:
         "rss_before_mib": rss_before / 2**20,
         "rss_cycles_mib": rss_cycles,
         "sigterm": sigterm,
+        "phase_seconds": phases,
     }
     return report
 

@@ -165,6 +165,7 @@ class GGUFFile:
                 infos.append((name, dims, cursor.unpack("<I"), cursor.unpack("<Q")))
             alignment = int(self.metadata.get("general.alignment", 32))
             data_start = -(-handle.tell() // alignment) * alignment
+        self.header_bytes = data_start  # the metadata and tensor infos: everything but tensor data
 
         self.tensors: dict[str, GGUFTensorInfo] = {}
         for name, dims, type_id, offset in infos:

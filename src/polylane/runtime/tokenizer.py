@@ -2,10 +2,10 @@
 
 GGUF files carry their vocabulary, merges and chat template; `transformers` turns them into a fast
 (`tokenizers`) tokenizer. That conversion takes 10–40 s for large vocabularies, so the result is
-saved once under the cache directory, keyed by the file's content (`runtime.file_identity`: a
-name, size and modification time can be shared by two different files, and one would then get the
-other's vocabulary), and later loads read the saved `tokenizer.json` in well under a second. The
-MAX_SAVED most recently used are kept.
+saved once under the cache directory, keyed by the content it is built from (a hash of the file's
+header: a name, size and modification time can be shared by two different files, and one would
+then get the other's vocabulary), and later loads read the saved `tokenizer.json` in well under a
+second. The MAX_SAVED most recently used are kept.
 
 Chat templates come from model files, i.e. from strangers: `transformers` renders them in a
 sandboxed Jinja2 environment.
@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from polylane.catalog import ModelSource, cache_dir
-from polylane.runtime.file_identity import content_digest
 
 # Tokens that end an assistant turn in the chat formats of the models we serve.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>")
@@ -101,7 +100,13 @@ MAX_SAVED = 64  # saved tokenizers kept, most recently used first (each a few MB
 
 
 def _cache_key(path: Path) -> str:
-    return content_digest(path)[:32]
+    """A sha256 of the GGUF header (metadata and tensor infos): the bytes a tokenizer is built from,
+    so that files differing only in tensor data share one."""
+    from polylane.runtime.gguf_file import GGUFFile
+
+    size = GGUFFile(path).header_bytes
+    with path.open("rb") as handle:
+        return hashlib.sha256(handle.read(size)).hexdigest()[:32]
 
 
 def _prune_saved(folder: Path) -> None:
