@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from polylane.server.config import Limits
-from tests.server.conftest import SMOL, assert_error, start_server, total_finished
+from tests.server.conftest import SMOL, assert_error, start_server, total_finished, wait_until
 
 QUEUE_S = 0.3  # far below a model load (seconds), far above an idle engine's time to a first step
 
@@ -24,7 +24,11 @@ def live():
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_request_that_waits_past_the_queue_bound_is_a_503_with_retry_after(live, stream):
-    if any(i.name == SMOL and i.state == "resident" for i in live.engine.manager.snapshot()):
+    def state() -> str:
+        return next(i.state for i in live.engine.manager.snapshot() if i.name == SMOL)
+
+    wait_until(lambda: state() != "loading", timeout=60, what="an earlier load to end")
+    if state() == "resident":
         live.engine.manager.evict(SMOL)  # cold: the request waits for a load
     before = total_finished(live.state, "queue_timeout")
     with live.client() as http:

@@ -81,4 +81,7 @@ def test_the_document_says_what_the_server_does(live):
     assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     request = document["components"]["schemas"]["CompletionRequest"]["properties"]
     assert request["n"]["maximum"] == Limits().max_n
+    forms = request["prompt"]["anyOf"]
+    token_ids = next(form for form in forms if form.get("items", {}).get("type") == "integer")
+    assert token_ids["items"]["maximum"] == live.engine.models[SMOL].tokenizer.vocab_size - 1
     assert not any("422" in op["responses"] for ops in paths.values() for op in ops.values())

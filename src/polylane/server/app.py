@@ -120,7 +120,12 @@ def create_app(state: ServerState, *, close_engine: bool = True) -> FastAPI:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.add_middleware(GuardMiddleware, api_key=state.api_key, max_body_bytes=state.limits.max_body_bytes)
-    openapi.install(app, state.limits, api_key=state.api_key is not None)
+    openapi.install(
+        app,
+        state.limits,
+        api_key=state.api_key is not None,
+        vocab_sizes=lambda: [m.tokenizer.vocab_size for m in state.engine.models.values()],
+    )
     return app
 
 

@@ -5,14 +5,16 @@ it behaves. FastAPI documents every operation as 200 or 422; here a validation e
 and each route lists the statuses it can answer with (400, 401 when an API key is set, 404, 409,
 413, 429, 503) in OpenAI's error shape (`ErrorResponse`), with `Retry-After` where it is sent. The
 completion routes answer JSON or, when `stream` is true, `text/event-stream`; `/metrics` answers
-Prometheus text; `/health` 200 or 503. Limits the server enforces from its configuration (`n` up
-to `limits.max_n`) are written into the request schemas, next to those the request models carry
-themselves (stop strings, messages, ranges). `tests/server/test_openapi.py` runs schemathesis
-against a live server with its response-conformance checks.
+Prometheus text; `/health` 200 or 503. Limits the server enforces from its configuration and its
+models (`n` up to `limits.max_n`, a prompt's token ids below the largest served vocabulary; each
+model's own is its `vocab_size` in /v1/models) are written into the request schemas, next to those
+the request models carry themselves (stop strings, messages, ranges). `tests/server/test_openapi.py`
+runs schemathesis against a live server with its response-conformance checks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -79,19 +81,20 @@ ERRORS = {
 RETRIED = (429, 503)
 
 
-def install(app: FastAPI, limits: Limits, api_key: bool) -> None:
-    """Serve the rewritten document at /openapi.json (built once, on the first request)."""
+def install(app: FastAPI, limits: Limits, api_key: bool, vocab_sizes: Callable[[], list[int]]) -> None:
+    """Serve the rewritten document at /openapi.json (built once, on the first request);
+    `vocab_sizes`: the served models' vocabularies (a prompt's token ids lie below its model's)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             document = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            app.openapi_schema = rewrite(document, limits, api_key)
+            app.openapi_schema = rewrite(document, limits, api_key, max(vocab_sizes(), default=0))
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def rewrite(document: dict[str, Any], limits: Limits, api_key: bool) -> dict[str, Any]:
+def rewrite(document: dict[str, Any], limits: Limits, api_key: bool, vocab_size: int) -> dict[str, Any]:
     components = document.setdefault("components", {}).setdefault("schemas", {})
     components["ErrorResponse"] = ERROR_SCHEMA
     for name in ("HTTPValidationError", "ValidationError"):
@@ -99,6 +102,12 @@ def rewrite(document: dict[str, Any], limits: Limits, api_key: bool) -> dict[str
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         if name in components:
             components[name]["properties"]["n"]["maximum"] = limits.max_n
+    prompt = components.get("CompletionRequest", {}).get("properties", {}).get("prompt", {})
+    for form in prompt.get("anyOf", []):
+        items = form.get("items", {})
+        if form.get("type") == "array" and items.get("type") == "integer" and vocab_size:
+            items["maximum"] = vocab_size - 1
+            items["description"] = "a token id, below the model's vocabulary (`vocab_size` in /v1/models)"
     for path, operations in document.get("paths", {}).items():
         for method, operation in operations.items():
             statuses = ERRORS.get((path, method), (400,))

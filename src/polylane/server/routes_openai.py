@@ -64,6 +64,7 @@ async def list_models(request: Request) -> dict[str, Any]:
                 "in_flight": in_flight.get(info.name, 0),  # requests, not residency leases
                 "dtype": info.dtype,
                 "max_context": model.max_context,
+                "vocab_size": model.tokenizer.vocab_size,  # token ids of a prompt lie below it
                 "chat": model.tokenizer.has_chat_template,
                 "aliases": state.aliases_of(info.name),
             }
