@@ -305,20 +305,28 @@ async def _collect(handle: RequestHandle) -> Completion:
 
 async def _wait(request: Request, handles: list[RequestHandle]) -> list[Completion] | None:
     """All choices' completions, or None if the client disconnected first (then they are aborted)."""
-    gathered = asyncio.ensure_future(asyncio.gather(*(_collect(h) for h in handles)))
+    completions = await _unless_gone(request, asyncio.gather(*(_collect(h) for h in handles)))
+    if completions is None:
+        for handle in handles:
+            handle.abort()
+    return completions
+
+
+async def _unless_gone(request: Request, awaitable: Any) -> Any:
+    """What `awaitable` gives, or None if the client disconnects first (then it is cancelled, its
+    outcome marked seen)."""
+    future = asyncio.ensure_future(awaitable)
     try:
         while True:
-            done, _ = await asyncio.wait({gathered}, timeout=0.25)
+            done, _ = await asyncio.wait({future}, timeout=0.25)
             if done:
-                return gathered.result()
+                return future.result()
             if await request.is_disconnected():
-                for handle in handles:
-                    handle.abort()
                 return None
     finally:
-        if not gathered.done():
-            gathered.cancel()
-        gathered.add_done_callback(_retrieved)
+        if not future.done():
+            future.cancel()
+        future.add_done_callback(_retrieved)
 
 
 def _retrieved(future: asyncio.Future[Any]) -> None:
@@ -358,18 +366,7 @@ async def _first_event(
     """The stream's first event, awaited before the response starts (so a request that fails before
     its first token, its model unable to load or its deadline passed in the queue, gets an error
     status); None if the client disconnected first."""
-    first = asyncio.ensure_future(anext(events))
-    try:
-        while True:
-            done, _ = await asyncio.wait({first}, timeout=0.25)
-            if done:
-                return first.result()
-            if await request.is_disconnected():
-                return None
-    finally:
-        if not first.done():
-            first.cancel()
-            first.add_done_callback(_retrieved)
+    return await _unless_gone(request, anext(events))
 
 
 async def _then(
