@@ -97,13 +97,15 @@ def _read_tensor(file: GGUFFile, name: str) -> np.ndarray:
         ) from None
 
 
-def check_finite(file: GGUFFile, name: str) -> None:
+def check_finite(file: GGUFFile, name: str) -> bool:
     """A tensor whose floats (values, or its blocks' scales) include NaN or Inf fails the load: a
-    corrupt file would otherwise be served, answering with garbage."""
+    corrupt file would otherwise be served, answering with garbage. False where the format's
+    scales are not known here (then the dequantised values are to be checked)."""
     count = file.nonfinite_count(name)
     if count:
         kind = "values" if file.tensors[name].type_id in FLOAT_TYPES else "block scales"
         raise _nonfinite(file.path, name, count, kind)
+    return count is not None
 
 
 def _nonfinite(path: Path, name: str, count: int, kind: str) -> LoadError:
@@ -140,9 +142,9 @@ def gguf_tensors(
         name = hf_name(gguf_name, module)
         if name is None:
             continue
-        check_finite(file, gguf_name)
+        checked = check_finite(file, gguf_name)
         values = _read_tensor(file, gguf_name)
-        if file.nonfinite_count(gguf_name) is None and not np.isfinite(values).all():
+        if not checked and not np.isfinite(values).all():
             raise _nonfinite(file.path, gguf_name, int(np.count_nonzero(~np.isfinite(values))), "values")
         array = module.transform_gguf_tensor(name, values, config)
         if not array.flags.writeable or not array.flags.c_contiguous:
