@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from polylane import catalog
-from polylane.types import DEFAULT_DTYPE, WEIGHT_DTYPES
+from polylane.types import DEFAULT_DTYPE, WEIGHT_DTYPES, LoadError
 
 DEVICE_HELP = "where models run: auto (default: CUDA when torch sees a GPU, else CPU), cpu, cuda or cuda:N"
 
@@ -383,8 +383,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from polylane.runtime.loader import LoadError
-
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)

@@ -19,6 +19,11 @@ DEFAULT_DTYPE = "auto"
 GREEDY_BELOW_TEMPERATURE = 1e-4
 
 
+class LoadError(RuntimeError):
+    """A model file could not be loaded; the message names the file and the reason. (Here, not in
+    `runtime.loader`, so that the command line catches it without importing torch.)"""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its next token.

@@ -27,11 +27,7 @@ from polylane.runtime.layers import interleave_rotary_rows
 from polylane.runtime.model_config import ModelConfig
 from polylane.runtime.models import ARCHITECTURES, HF_MODEL_TYPES
 from polylane.runtime.models.base import DecoderModel
-
-
-class LoadError(RuntimeError):
-    """A model file could not be loaded; the message names the file and the reason."""
-
+from polylane.types import LoadError
 
 DTYPES = {
     "fp32": torch.float32,
