@@ -26,8 +26,6 @@ print("torch" in sys.modules)
     ids=" ".join,
 )
 def test_help_does_not_import_torch(argv: list[str]) -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, timeout=120
-    )
+    done = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "False", f"{argv} imported torch"
