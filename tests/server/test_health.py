@@ -36,3 +36,21 @@ def test_health_is_503_once_the_engine_is_dead(live: LiveServer):
         assert_error(http.post("/v1/completions", json={**body, "stream": True}), 503, code="engine_dead")
         assert http.get("/v1/models").status_code == 200, "listing does not need the loop"
         assert live.state.admission.requests == 0, "a refused request kept its reservation"
+
+
+def test_ready_and_live_are_told_apart(live: LiveServer):
+    """Readiness (`/health`, `/health/ready`) is 503 while the first model loads and while shutting
+    down; liveness (`/health/live`) stays 200 through both, as Kubernetes probes expect."""
+    with live.client(timeout=30) as http:
+        for path in ("/health", "/health/ready", "/health/live"):
+            assert http.get(path).status_code == 200, path
+        for flag, reason in (("ready", "loading the first model"), ("draining", "shutting down")):
+            setattr(live.state, flag, flag == "draining")
+            try:
+                for path in ("/health", "/health/ready"):
+                    error = assert_error(http.get(path), 503, code="not_ready")
+                    assert reason in error["message"], error
+                assert http.get("/health/live").json() == {"status": "live"}
+            finally:
+                setattr(live.state, flag, flag != "draining")
+        assert http.get("/health").status_code == 200

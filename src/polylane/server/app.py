@@ -1,16 +1,25 @@
 """Wiring: the FastAPI app over one engine, its guards, and `serve()` behind `polylane serve`.
 
 What this module owns: building the app (routes, error handlers), the two guards every request
-passes first (the API key, compared in constant time, on every route but `/health`; the body size
-limit, 413 before the body is parsed, whether or not the client sent a Content-Length), `/health`
-(503 once the engine is dead) and `/metrics`, and starting the engine with its declared models.
+passes first (the API key, compared in constant time, on every route but the health probes; the
+body size limit, 413 before the body is parsed, whether or not the client sent a Content-Length),
+the probes and `/metrics`, and starting the server: the port is bound before anything loads (a port
+in use fails at once), the first model loads while the server already answers (`/health` 503
+"loading" meanwhile), and a first model that cannot load stops the server with its reason.
+
+Probes, as Kubernetes expects them: `/health/live` is 200 while the engine runs (503 once it died:
+restart the process); `/health/ready` and `/health` are 200 when requests can be served now (503
+while the first model loads, after the engine died, and while shutting down).
 """
 
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
+import socket
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -29,7 +38,7 @@ from polylane.server.shutdown import DrainingServer, exit_cleanly_on_sigterm
 from polylane.server.state import ServerState
 
 log = logging.getLogger(__name__)
-OPEN_ROUTES = ("/health",)
+OPEN_ROUTES = ("/health", "/health/live", "/health/ready")
 
 
 class GuardMiddleware:
@@ -110,10 +119,17 @@ def create_app(state: ServerState, *, close_engine: bool = True) -> FastAPI:
     app.include_router(routes_admin.router)
 
     @app.get("/health", response_model=None)
-    async def health() -> Any:
+    @app.get("/health/ready", response_model=None)
+    async def ready() -> Any:
+        if (reason := state.not_ready_because()) is not None:
+            return error_response(503, reason, code="engine_dead" if not state.engine.alive else "not_ready")
+        return {"status": "ok", "models": len(state.engine.models)}
+
+    @app.get("/health/live", response_model=None)
+    async def live() -> Any:
         if not state.engine.alive:
             return error_response(503, state.engine.error or "the engine is not running", code="engine_dead")
-        return {"status": "ok", "models": len(state.engine.models)}
+        return {"status": "live"}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -168,34 +184,72 @@ def build_state(config: ServerConfig, *, quiet: bool = False) -> ServerState:
     return ServerState(engine, config.limits, config.api_key, aliases, unavailable)
 
 
+class StartError(ValueError):
+    """`polylane serve` cannot start: the port, or its first model (the message says which and why)."""
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, before any model loads, so a port in use fails at once."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as error:
+        raise StartError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as error:
+        sock.close()
+        if error.errno == errno.EADDRINUSE:
+            raise StartError(
+                f"cannot listen on {host}:{port}: the port is in use (choose another with --port)"
+            ) from None
+        raise StartError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(config: ServerConfig) -> None:
     import uvicorn
 
     from polylane.runtime.compute_paths import version_text
 
     for line in version_text(config.threads).splitlines():
-        print(f"polylane: {line}", file=sys.stderr, flush=True)
-    state = build_state(config)
-    first = next(m.name for m in config.models if m.name in state.engine.models)
-    started = time.perf_counter()
-    print(f"polylane: loading {first} …", file=sys.stderr, flush=True)
+        _say(line)
+    listening = listening_socket(config.host, config.port)
     try:
-        with state.engine.manager.acquire(first):
-            pass  # the first model is ready before the port opens
-    except Exception as error:  # keep serving the others; the first request will say why
-        print(f"polylane: {first} failed to load: {error}", file=sys.stderr, flush=True)
-    else:
-        print(
-            f"polylane: {first} loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True
-        )
-    names = ", ".join(m.name for m in config.models if m.name in state.engine.models)
-    print(
-        f"polylane: serving {names} on http://{config.host}:{config.port}/v1 "
-        f"(budget {config.budget_bytes / 2**30:.2f} GiB)",
-        file=sys.stderr,
-        flush=True,
-    )
+        state = build_state(config)
+    except BaseException:
+        listening.close()
+        raise
+    state.ready = False
+    first = next(m.name for m in config.models if m.name in state.engine.models)
     exit_cleanly_on_sigterm()
-    app = create_app(state)
-    server_config = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning")
-    DrainingServer(server_config, state, config.drain_timeout_s).run()
+    server = DrainingServer(
+        uvicorn.Config(create_app(state), log_level="warning"), state, config.drain_timeout_s
+    )
+    failed: list[str] = []
+
+    def load_first() -> None:  # while the server answers (/health: 503 "loading the first model")
+        started = time.perf_counter()
+        try:
+            with state.engine.manager.acquire(first):
+                pass
+        except Exception as error:
+            failed.append(f"{first} cannot load: {error}")
+            server.should_exit = True
+            return
+        state.ready = True
+        _say(f"{first} loaded in {time.perf_counter() - started:.1f} s: ready")
+
+    names = ", ".join(m.name for m in config.models if m.name in state.engine.models)
+    budget = f"budget {config.budget_bytes / 2**30:.2f} GiB"
+    _say(f"serving {names} on http://{config.host}:{config.port}/v1 ({budget}); loading {first} …")
+    threading.Thread(target=load_first, name="polylane-first-load", daemon=True).start()
+    server.run(sockets=[listening])
+    if failed:
+        raise StartError(failed[0])
+
+
+def _say(message: str) -> None:
+    print(f"polylane: {message}", file=sys.stderr, flush=True)

@@ -76,6 +76,8 @@ ERRORS = {
     ("/admin/models/{name}/evict", "post"): (400, 409),
     ("/admin/budget", "post"): (400, 409, 413),
     ("/health", "get"): (503,),
+    ("/health/ready", "get"): (503,),
+    ("/health/live", "get"): (503,),
     ("/metrics", "get"): (),
 }
 RETRIED = (429, 503)
@@ -123,9 +125,14 @@ def rewrite(document: dict[str, Any], limits: Limits, api_key: bool, vocab_size:
             elif path == "/metrics":
                 ok["description"] = "Prometheus text exposition"
                 ok["content"] = {"text/plain": {"schema": {"type": "string"}}}
-            elif path == "/health":
+            elif path.startswith("/health"):
                 ok["content"] = {"application/json": {"schema": {"type": "object"}}}
-            for status in (*statuses, *((401,) if api_key and path != "/health" else ()), 404, 405):
+            for status in (
+                *statuses,
+                *((401,) if api_key and not path.startswith("/health") else ()),
+                404,
+                405,
+            ):
                 response: dict[str, Any] = {"description": _ERROR_TEXT[status], "content": ERROR_CONTENT}
                 if status in RETRIED:
                     response["headers"] = RETRY_AFTER

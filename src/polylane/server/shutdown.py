@@ -31,6 +31,7 @@ class DrainingServer(uvicorn.Server):
         self.state, self.drain_timeout_s = state, drain_timeout_s
 
     async def shutdown(self, sockets: Any = None) -> None:
+        self.state.draining = True
         running = [h for h in self.state.open_handles if not h.done]
         if running:
             _say(f"stopping: {len(running)} requests running, {self.drain_timeout_s:g} s to finish")

@@ -23,12 +23,24 @@ class ServerState:
     aliases: dict[str, str] = field(default_factory=dict)  # alias → served model name
     unavailable: dict[str, str] = field(default_factory=dict)  # declared, failed at start → why
     open_handles: set = field(default_factory=set)  # the RequestHandles of requests not yet ended
+    ready: bool = True  # `serve()` clears it until its first model has loaded
+    draining: bool = False  # set once shutdown begins: not ready for new traffic, still live
     admission: Admission = field(init=False)
     metrics: ServerMetrics = field(init=False)
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.limits.max_waiting_requests, self.limits.max_waiting_tokens)
         self.metrics = ServerMetrics(self.engine, self.admission)
+
+    def not_ready_because(self) -> str | None:
+        """Why the server should get no new traffic now (a readiness probe's 503), or None."""
+        if not self.engine.alive:
+            return self.engine.error or "the engine is not running"
+        if self.draining:
+            return "shutting down"
+        if not self.ready:
+            return "loading the first model"
+        return None
 
     def resolve(self, name: str) -> str:
         served = self.engine.models
