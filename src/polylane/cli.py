@@ -182,7 +182,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     file_data = server_config.load_config_file(args.config) if args.config else {}
     known = {
         "budget", "api_key", "host", "port", "lane_policy", "models", "device", "threads", "strict",
-        "drain_timeout", "max_queue_seconds",
+        "drain_timeout", "max_queue_seconds", *server_config.SAMPLING_FIELDS,
     }  # fmt: skip
     unknown = set(file_data) - known
     if unknown:
@@ -216,6 +216,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         lane_policy=args.lane_policy or str(file_data.get("lane_policy", "throughput")),
         threads=server_config.parse_threads(args.threads or file_data.get("threads", 0)),
         strict=args.strict or file_data.get("strict") is True,
+        sampling=server_config.sampling_overrides(vars(args), file_data),
         drain_timeout_s=_seconds("drain timeout", args.drain_timeout, file_data.get("drain_timeout", 30)),
         limits=server_config.Limits(
             max_queue_s=_seconds(
@@ -310,6 +311,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight dtype for every model (default auto: a GGUF file's own quantised blocks, used "
         "in place; fp32/bf16: dequantised; int8/int4: weight-only re-quantised projections)",
     )
+    for flag, kind, default in (
+        ("--temperature", float, 0.8),
+        ("--top-k", int, 40),
+        ("--top-p", float, 0.95),
+        ("--min-p", float, 0.05),
+    ):
+        serve.add_argument(
+            flag,
+            type=kind,
+            help=f"for requests that leave it unset, over each model's own setting (else {default})",
+        )
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--api-key", help="require this key on every route but /health ($POLYLANE_API_KEY)")

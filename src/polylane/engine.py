@@ -38,9 +38,10 @@ from polylane.runtime.load_thread import TransientWorker
 from polylane.runtime.loader import estimate_weight_bytes, read_config
 from polylane.runtime.residency import DEFAULT_KV_TOKENS, ModelLease, ResidencyManager
 from polylane.runtime.runner import Runner
+from polylane.runtime.sampling_defaults import read_sampling_defaults
 from polylane.runtime.spec_setup import SpeculationSetup
 from polylane.runtime.tokenizer import ChatTemplateError, Tokenizer, load_tokenizer
-from polylane.types import DEFAULT_DTYPE, SamplingParams, StepPlan, StepResult
+from polylane.types import DEFAULT_DTYPE, SamplingDefaults, SamplingParams, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ class ServedModel:
     tokenizer: Tokenizer = field(repr=False)
     speculation: SpeculationConfig | None = None
     weight_bytes: int = 0  # estimated from the file's header (0: unknown)
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # for fields a request leaves unset
 
     @property
     def max_request_tokens(self) -> int:
@@ -329,6 +331,7 @@ class Engine:
             tokenizer,
             speculation,
             _header_bytes(resolved, dtype),
+            read_sampling_defaults(resolved.path, resolved.format),
         )
         self.speculation.register(served, speculation, source or name, kv_tokens)
         self._models[name] = served

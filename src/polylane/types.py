@@ -25,6 +25,29 @@ class LoadError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that leaves temperature, top-k, top-p or min-p unset gets: the model's own
+    settings where its file states them (`runtime.sampling_defaults`), `serve`'s flags over them,
+    else these documented values (llama-server's defaults). A request's explicit value always wins
+    (`temperature: 0` stays greedy)."""
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    source: str = "llama-server's defaults"
+
+    def override(self, source: str | None = None, **values: float | int | None) -> SamplingDefaults:
+        """These settings with `values` (None: unchanged) in their place, checked as a request's."""
+        changed = {name: value for name, value in values.items() if value is not None}
+        if not changed:
+            return self
+        merged = {**self.__dict__, **changed, "source": source or self.source}
+        SamplingParams(**{k: merged[k] for k in ("temperature", "top_k", "top_p", "min_p")})  # the ranges
+        return SamplingDefaults(**merged)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its next token.
 

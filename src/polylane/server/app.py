@@ -181,7 +181,9 @@ def build_state(config: ServerConfig, *, quiet: bool = False) -> ServerState:
     except BaseException:
         engine.close()
         raise
-    return ServerState(engine, config.limits, config.api_key, aliases, unavailable)
+    state = ServerState(engine, config.limits, config.api_key, aliases, unavailable)
+    state.sampling = dict(config.sampling)
+    return state
 
 
 class StartError(ValueError):

@@ -51,7 +51,7 @@ from polylane import catalog
 from polylane.policy.spec_control import SpeculationConfig
 from polylane.runtime.residency import DEFAULT_KV_TOKENS
 from polylane.runtime.siblings import SiblingError, SiblingSpec, ensure_sibling, sibling_path
-from polylane.types import DEFAULT_DTYPE, WEIGHT_DTYPES
+from polylane.types import DEFAULT_DTYPE, WEIGHT_DTYPES, SamplingDefaults
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -97,6 +97,32 @@ class ServerConfig:
     threads: int = 0  # compute threads (EngineConfig.threads): 0 adapts to the machine's load
     drain_timeout_s: float = 30.0  # after SIGTERM, how long requests in flight may run before they end
     strict: bool = False  # a declared model that cannot be registered stops the start (else others serve)
+    # over every model's sampling defaults for the fields a request leaves unset (serve's --temperature,
+    # --top-k, --top-p, --min-p; the config file's keys of those names)
+    sampling: dict[str, float | int] = field(default_factory=dict)
+
+
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
+
+
+def sampling_overrides(flags: dict[str, object], file_data: dict[str, object]) -> dict[str, float | int]:
+    """serve's sampling defaults from its flags, else the config file; checked as a request's are."""
+    chosen = {
+        name: flags[name] if flags.get(name) is not None else file_data.get(name) for name in SAMPLING_FIELDS
+    }
+    chosen = {name: value for name, value in chosen.items() if value is not None}
+    for name, value in chosen.items():
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or (name == "top_k" and not isinstance(value, int))
+        ):
+            raise ConfigError(f"{name} must be a number, got {value!r}")
+    try:
+        SamplingDefaults().override(**chosen)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return chosen
 
 
 def parse_threads(value: object) -> int:

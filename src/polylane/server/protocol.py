@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from polylane.types import SamplingParams
+from polylane.types import SamplingDefaults, SamplingParams
 
 # The finish reasons a client sees; the engine's others ("error", "deadline", "abort") are errors.
 FINISH_REASONS = ("stop", "length")
@@ -78,10 +78,12 @@ class _Sampling(_Strict):
 
     model: Annotated[str, Field(min_length=1, max_length=256)]
     max_tokens: Annotated[int, Field(ge=1, le=MAX_COUNT)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=-1, le=MAX_COUNT)] = 0  # 0 or -1: off (vLLM's convention)
-    min_p: Probability = 0.0
+    # Unset (None): the model's defaults (`SamplingDefaults`: its file's settings, serve's flags,
+    # else llama-server's values).
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_COUNT)] | None = None  # 0 or -1: off (vLLM's convention)
+    min_p: Probability | None = None
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_COUNT)] = 1
@@ -143,12 +145,20 @@ class _Sampling(_Strict):
             return value
         raise ValueError("is not supported by polylane (only 1)")
 
-    def sampling_params(self, max_tokens: int, seed: int | None = None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, defaults: SamplingDefaults, seed: int | None = None
+    ) -> SamplingParams:
+        """The request's sampling, each field it leaves unset taken from `defaults`."""
+
+        def chosen(name: str) -> Any:
+            value = getattr(self, name)
+            return getattr(defaults, name) if value is None else value
+
         return SamplingParams(
-            temperature=self.temperature,
-            top_k=max(0, self.top_k),
-            top_p=self.top_p,
-            min_p=self.min_p,
+            temperature=chosen("temperature"),
+            top_k=max(0, chosen("top_k")),
+            top_p=chosen("top_p"),
+            min_p=chosen("min_p"),
             seed=self.seed if seed is None else seed,
             max_tokens=max_tokens,
             stop=tuple(self.stop or ()),

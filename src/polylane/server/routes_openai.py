@@ -282,7 +282,7 @@ def _submit(
     try:
         for index in range(body.n):
             seed = None if body.seed is None else body.seed + index
-            params = body.sampling_params(max_tokens, seed)
+            params = body.sampling_params(max_tokens, state.sampling_defaults(model), seed)
             handles.append(state.engine.submit(model, prompt_ids, params=params, priority=body.priority))
     except RequestTooLongError as error:
         raise ApiError(400, str(error), param="max_tokens", code="context_length_exceeded") from None

@@ -13,6 +13,7 @@ from polylane.server.admission import Admission
 from polylane.server.config import Limits
 from polylane.server.errors import ApiError
 from polylane.server.metrics import ServerMetrics
+from polylane.types import SamplingDefaults
 
 
 @dataclass
@@ -23,6 +24,7 @@ class ServerState:
     aliases: dict[str, str] = field(default_factory=dict)  # alias → served model name
     unavailable: dict[str, str] = field(default_factory=dict)  # declared, failed at start → why
     open_handles: set = field(default_factory=set)  # the RequestHandles of requests not yet ended
+    sampling: dict[str, float | int] = field(default_factory=dict)  # serve's --temperature etc.
     ready: bool = True  # `serve()` clears it until its first model has loaded
     draining: bool = False  # set once shutdown begins: not ready for new traffic, still live
     admission: Admission = field(init=False)
@@ -31,6 +33,10 @@ class ServerState:
     def __post_init__(self) -> None:
         self.admission = Admission(self.limits.max_waiting_requests, self.limits.max_waiting_tokens)
         self.metrics = ServerMetrics(self.engine, self.admission)
+
+    def sampling_defaults(self, model: str) -> SamplingDefaults:
+        """What `model`'s requests get for the sampling fields they leave unset."""
+        return self.engine.models[model].sampling.override(source="serve's flags", **self.sampling)
 
     def not_ready_because(self) -> str | None:
         """Why the server should get no new traffic now (a readiness probe's 503), or None."""
