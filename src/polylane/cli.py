@@ -1,26 +1,24 @@
-"""The `polylane` command: serve models, list them, generate text.
+"""The `polylane` command: serve models, manage them, generate text.
 
-polylane serve [MODEL ...]           the OpenAI-compatible server (default model when none given)
-polylane serve --ray --replicas N    the same routes over N engines under Ray Serve (model affinity)
-polylane models                      the catalogue, with size and whether each is cached
-polylane models inspect A B          the layer band two models share (cross-model prefill share)
-polylane models sibling SRC OUT      write a sibling of SRC with its top layers changed
-polylane rm MODEL ...                remove a fetched model and the weights converted from it
-polylane generate MODEL PROMPT       stream a completion to the terminal
-polylane bench WORKLOAD              measure polylane against its baselines (polylane/bench/)
+polylane serve [MODEL|NAME=SOURCE ...]  the OpenAI-compatible server (default model when none given)
+polylane serve --ray --replicas N       the same routes over N engines under Ray Serve (model affinity)
+polylane pull | list | ps | rm          fetch, list, see a server's, remove models (cli_manage.py)
+polylane generate [MODEL] PROMPT        stream a completion to the terminal (cli_generate.py)
+polylane chat [MODEL]                   talk to a chat model in the terminal (cli_generate.py)
+polylane models inspect A B             the layer band two models share (cross-model prefill share)
+polylane models sibling SRC OUT         write a sibling of SRC with its top layers changed
+polylane bench WORKLOAD                 measure polylane against its baselines (polylane/bench/)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
-import time
-from pathlib import Path
 
 from polylane import catalog
-from polylane.types import DEFAULT_DTYPE, WEIGHT_DTYPES, LoadError
-
-DEVICE_HELP = "where models run: auto (default: CUDA when torch sees a GPU, else CPU), cpu, cuda or cuda:N"
+from polylane.cli_generate import DEVICE_HELP
+from polylane.types import WEIGHT_DTYPES, LoadError
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -38,26 +36,6 @@ def _cmd_models(args: argparse.Namespace) -> int:
             f"{entry.size_bytes / 1e6:7,.0f} MB  {cached:6}  {chat}{default}"
         )
     print(f"\ncache: {catalog.cache_dir()}  (set ${catalog.CACHE_ENV} to move it)")
-    return 0
-
-
-def _cmd_rm(args: argparse.Namespace) -> int:
-    """Remove a catalogue model's fetched file and the weights converted from it; for a local file,
-    only its conversions (the file itself is the user's)."""
-    from polylane.runtime.converted import remove_conversions
-
-    for name in args.models:
-        entry = catalog.CATALOG.get(name)
-        path = catalog.cached_path(entry) if entry is not None else Path(name).expanduser()
-        if entry is None and not path.is_file():
-            raise catalog.ModelNotFoundError(f"{name!r}: not a catalogue name nor a .gguf file")
-        conversions = remove_conversions(path) if path.is_file() else []
-        converted = sum(size for _, size in conversions)
-        fetched = catalog.remove_cached(entry) if entry is not None and not args.converted_only else 0
-        parts = [f"{len(conversions)} converted entries ({converted / 1e6:,.0f} MB)"]
-        if entry is not None and not args.converted_only:
-            parts.insert(0, f"the fetched file ({fetched / 1e6:,.0f} MB)" if fetched else "no fetched file")
-        print(f"{name}: removed {' and '.join(parts)}")
     return 0
 
 
@@ -116,62 +94,6 @@ def _cmd_models_sibling(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
-    import torch
-
-    from polylane.runtime.detokenizer import IncrementalDetokenizer
-    from polylane.runtime.generate import GenerationRequest, Generator
-    from polylane.runtime.loaded_model import load_model
-    from polylane.runtime.tokenizer import ChatTemplateError
-    from polylane.types import SamplingParams
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-    )
-    print(f"loading {args.model} ({args.dtype}, device {args.device}) …", file=sys.stderr, flush=True)
-    model = load_model(args.model, args.dtype, device=args.device)
-    tokenizer = model.tokenizer
-    if args.raw or not tokenizer.has_chat_template:
-        if not args.raw:
-            print("(model has no chat template: prompt sent as plain text)", file=sys.stderr)
-        prompt_ids = tokenizer.encode(args.prompt)
-    else:
-        try:
-            prompt_ids = tokenizer.render_chat([{"role": "user", "content": args.prompt}])
-        except ChatTemplateError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
-    total = len(prompt_ids) + params.max_tokens  # the Generator refuses totals over the context
-    block_size = 16
-    generator = Generator(model, num_blocks=-(-total // block_size), block_size=block_size)
-    detokenizer = IncrementalDetokenizer(tokenizer)
-
-    def stream(_: int, token_id: int) -> None:
-        if token_id not in tokenizer.stop_token_ids:
-            sys.stdout.write(detokenizer.push(token_id))
-            sys.stdout.flush()
-
-    started = time.perf_counter()
-    [output] = generator.generate([GenerationRequest(tuple(prompt_ids), params)], on_token=stream)
-    elapsed = time.perf_counter() - started
-    sys.stdout.write("\n")
-    print(
-        f"[{model.name} {args.dtype}] load {model.load_seconds:.2f} s | prompt "
-        f"{output.prompt_tokens} tokens | TTFT {output.ttft_seconds * 1000:.0f} ms | "
-        f"{len(output.token_ids)} tokens, decode {output.decode_tokens_per_second:.1f} tokens/s | "
-        f"finish: {output.finish_reason} | total {elapsed:.2f} s",
-        file=sys.stderr,
-    )
-    return 0
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
     import os
 
@@ -190,18 +112,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     device_name = args.device or str(file_data.get("device", "auto"))
     device = resolve_device(device_name)  # a device that is not there fails here, before any load
     pinned = set(args.pin or [])
+    if args.kv_tokens is not None and args.kv_tokens < 1:
+        raise server_config.ConfigError(f"--kv-tokens must be >= 1, got {args.kv_tokens}")
     models = server_config.models_from_file(file_data, args.config) if args.config else []
-    models += [server_config.model_decl(spec, pinned) for spec in args.models]
+    models += [server_config.model_decl(spec, pinned, args.kv_tokens) for spec in args.models]
     if not models:
-        models = [server_config.model_decl(catalog.DEFAULT_MODEL, pinned)]
+        models = [server_config.model_decl(catalog.DEFAULT_MODEL, pinned, args.kv_tokens)]
     declared = {m.name for m in models} | {a for m in models for a in m.aliases}
     for name in pinned - declared - {m.source for m in models}:
         raise server_config.ConfigError(f"--pin {name}: not one of the served models")
     if args.dtype:
-        models = [
-            server_config.ModelDecl(m.name, m.source, args.dtype, m.pinned, m.aliases, m.kv_tokens)
-            for m in models
-        ]
+        models = [dataclasses.replace(m, dtype=args.dtype) for m in models]
     server_config.check_names(models)
     server_config.ensure_siblings(models)
     budget = args.budget or str(file_data.get("budget", "auto"))
@@ -267,17 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    rm = commands.add_parser(
-        "rm", help="remove a fetched model and its converted weights (a .gguf path: only its conversions)"
-    )
-    rm.add_argument("models", nargs="+", help="catalogue name or .gguf file")
-    rm.add_argument(
-        "--converted-only", action="store_true", help="keep the fetched file, remove its conversions"
-    )
-    rm.set_defaults(run=_cmd_rm)
+    from polylane.cli_manage import add_parsers as add_manage_parsers
+
+    add_manage_parsers(commands)
     serve = commands.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API")
     serve.add_argument(
-        "models", nargs="*", help=f"catalogue names or paths (default: {catalog.DEFAULT_MODEL})"
+        "models",
+        nargs="*",
+        help=f"catalogue names or paths, or NAME=SOURCE to serve one under another name "
+        f"(default: {catalog.DEFAULT_MODEL})",
+    )
+    serve.add_argument(
+        "--kv-tokens",
+        type=int,
+        help="KV cache tokens reserved per model named here (default 4096, at most its context)",
     )
     serve.add_argument("--config", help="TOML file declaring models (dtype, pinned, aliases) and limits")
     serve.add_argument(
@@ -367,26 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     sibling.add_argument("--learning-rate", type=float, default=1e-4, help="fine-tune AdamW learning rate")
     sibling.add_argument("--sequence-length", type=int, default=128, help="fine-tune window, in tokens")
 
-    generate = commands.add_parser("generate", help="generate text from a prompt")
-    generate.add_argument("model", help="catalogue name (see `polylane models`), a .gguf file or a HF folder")
-    generate.add_argument("prompt", help="the prompt (a user message for chat models)")
-    generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    generate.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
-    generate.add_argument(
-        "--dtype",
-        default=DEFAULT_DTYPE,
-        choices=WEIGHT_DTYPES,
-        help="weight dtype (default auto: the file's own quantisation; int8/int4: weight-only "
-        "re-quantised projections)",
-    )
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    generate.add_argument("--top-k", type=int, default=0, help="0 = off")
-    generate.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
-    generate.add_argument("--min-p", type=float, default=0.0, help="0 = off")
-    generate.add_argument("--seed", type=int, default=None, help="same seed, same output")
-    generate.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    generate.add_argument("--device", default="auto", help=DEVICE_HELP)
-    generate.set_defaults(run=_cmd_generate)
+    from polylane.cli_generate import add_parsers as add_generate_parsers
+
+    add_generate_parsers(commands)
 
     from polylane.bench.command import add_parser as add_bench_parser
 

@@ -282,6 +282,7 @@ class Engine:
         self.compute_threads = ComputeThreads(config.threads)
         self._models: dict[str, ServedModel] = {}
         self._outputs: dict[int, _Output] = {}
+        self._last_active: dict[str, float] = {}  # model → monotonic time its last request began or ended
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._ids = itertools.count(1)
@@ -418,6 +419,12 @@ class Engine:
             counts[output.handle.model] = counts.get(output.handle.model, 0) + 1
         return counts
 
+    def idle_seconds(self) -> dict[str, float]:
+        """Per model that has served a request, seconds since its last one began or ended (0 while
+        one runs)."""
+        busy, now = self.requests_in_flight(), time.monotonic()
+        return {name: 0.0 if busy.get(name) else now - at for name, at in list(self._last_active.items())}
+
     def stats(self) -> EngineStats:
         return self.stats_recorder.snapshot(
             self.scheduler.counters,
@@ -519,6 +526,7 @@ class Engine:
 
     def _accept(self, handle: RequestHandle, params: SamplingParams, priority: int) -> None:
         served = self._models[handle.model]
+        self._last_active[handle.model] = time.monotonic()
         self._outputs[handle.id] = _Output(
             handle,
             params,
@@ -627,6 +635,7 @@ class Engine:
             return
         self.runner.finish(request_id, cache=False)
         handle = output.handle
+        self._last_active[handle.model] = time.monotonic()
         self.stats_recorder.finished(handle.model, reason, output.generated, handle)
         handle._push(StreamEvent(text, tokens, reason, error), wakes)
 

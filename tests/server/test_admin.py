@@ -187,11 +187,24 @@ def test_unknown_model_is_404(http, action, name):
         assert "x" * 120 not in error["message"]
 
 
-def test_budget_body_is_validated(http):
-    bad = ({"bytes": -1}, {"bytes": "lots"}, {"bytes": 2**60}, {}, {"bytes": 10, "extra": 1})
-    coerced = ({"bytes": False}, {"bytes": True}, {"bytes": "1000000000"}, {"bytes": 1e9})  # no type coercion
+def test_budget_body_is_validated(http, live):
+    bad = (
+        {"bytes": -1},
+        {"bytes": "lots"},
+        {"bytes": 2**60},
+        {"bytes": "2PiB"},
+        {},
+        {"bytes": 10, "extra": 1},
+    )
+    coerced = ({"bytes": False}, {"bytes": True}, {"bytes": 1e9})  # no type coercion
     for body in bad + coerced:
         assert_error(http.post("/admin/budget", json=body), 400)
+    before = live.engine.manager.budget_bytes
+    try:  # a size as the command line takes it
+        for size, expected in (("9GiB", 9 * 2**30), ("9.5G", 9_500_000_000), (f"{before + 1}", before + 1)):
+            assert http.post("/admin/budget", json={"bytes": size}).json()["budget_bytes"] == expected
+    finally:
+        assert http.post("/admin/budget", json={"bytes": before}).status_code == 200
 
 
 def test_metrics(http, live):

@@ -102,12 +102,17 @@ def prune(cap_bytes: int, keep: Path | None = None) -> list[Path]:
     return removed
 
 
+def conversions_of(content: str) -> list[Path]:
+    """The converted entries made from a file whose sha256 (hex) is `content` (any dtype, any
+    layout version)."""
+    return sorted(converted_dir().glob(f"*-{content[:32]}-*.safetensors"))
+
+
 def remove_conversions(source: Path) -> list[tuple[Path, int]]:
     """Delete every converted entry made from the file `source` (any dtype, any layout version);
     the removed paths and their sizes."""
-    content = content_digest(source)[:32]
     removed = []
-    for entry in sorted(converted_dir().glob(f"*-{content}-*.safetensors")):
+    for entry in conversions_of(content_digest(source)):
         try:
             size = entry.stat().st_size
             entry.unlink()

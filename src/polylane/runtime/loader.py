@@ -131,7 +131,7 @@ def gguf_tensors(
         [name for name in file.tensors if name not in skip],
         desc=f"loading {file.path.name}",
         unit="tensor",
-        disable=not progress,
+        disable=None if progress else True,  # None: shown only on a terminal
         leave=False,
     )
     for gguf_name in names:

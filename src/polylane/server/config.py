@@ -37,7 +37,6 @@ free memory on CUDA.
 
 from __future__ import annotations
 
-import re
 import sys
 import tomllib
 from collections.abc import Callable
@@ -51,9 +50,8 @@ from polylane import catalog
 from polylane.policy.spec_control import SpeculationConfig
 from polylane.runtime.residency import DEFAULT_KV_TOKENS
 from polylane.runtime.siblings import SiblingError, SiblingSpec, ensure_sibling, sibling_path
+from polylane.sizes import parse_bytes
 from polylane.types import DEFAULT_DTYPE, WEIGHT_DTYPES, SamplingDefaults
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
 class ConfigError(ValueError):
@@ -141,26 +139,27 @@ def parse_threads(value: object) -> int:
 
 
 def parse_size(value: str | int, free_bytes: Callable[[], int] | None = None) -> int:
-    """Bytes from an int or a string like "6GiB", "512MB", "auto" (half of `free_bytes()`, by
-    default of the host's available RAM)."""
-    if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"budget must be >= 0, got {value}")
-        return value
-    text = str(value).strip().lower()
-    if text == "auto":
+    """Bytes from an int or a size (`polylane.sizes`: "6G", "6GiB", "6000MB"), or "auto" (half of
+    `free_bytes()`, by default of the host's available RAM)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
         return (free_bytes() if free_bytes else psutil.virtual_memory().available) // 2
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", text)
-    if not match or match[2] not in _UNITS:
-        raise ConfigError(f"cannot read size {value!r} (examples: 4000000000, 6GiB, 512MB, auto)")
-    return int(float(match[1]) * _UNITS[match[2]])
+    try:
+        return parse_bytes(value)
+    except ValueError as error:
+        raise ConfigError(f"budget: {error}") from None
 
 
-def model_decl(spec: str, pinned: set[str]) -> ModelDecl:
-    """A model named on the command line: catalogue name or path (its name: the catalogue name or
-    the file's stem)."""
-    name = spec if spec in catalog.CATALOG else Path(spec).stem or spec
-    return ModelDecl(name=name, source=spec, pinned=spec in pinned or name in pinned)
+def model_decl(spec: str, pinned: set[str], kv_tokens: int | None = None) -> ModelDecl:
+    """A model named on the command line: a catalogue name or path (its name: the catalogue name or
+    the file's stem), or NAME=SOURCE to serve SOURCE under NAME."""
+    name, equals, source = spec.partition("=")
+    if not equals or "/" in name or Path(spec).expanduser().exists():
+        source = spec
+        name = spec if spec in catalog.CATALOG else Path(spec).stem or spec
+    elif not name or not source:
+        raise ConfigError(f"{spec!r}: write NAME=SOURCE (a catalogue name or a path after '=')")
+    pin = source in pinned or name in pinned
+    return ModelDecl(name=name, source=source, pinned=pin, kv_tokens=kv_tokens or DEFAULT_KV_TOKENS)
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

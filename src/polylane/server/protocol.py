@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from polylane.sizes import parse_bytes
 from polylane.types import SamplingDefaults, SamplingParams
 
 # The finish reasons a client sees; the engine's others ("error", "deadline", "abort") are errors.
@@ -244,7 +245,16 @@ class ChatCompletionRequest(_Sampling):
 class BudgetRequest(_Strict):
     model_config = ConfigDict(extra="forbid")
 
-    bytes: Annotated[int, Field(ge=0, le=2**50)]
+    # an integer, or a size as the command line takes it ("6G", "6GiB", "6000MB")
+    bytes: Annotated[int, Field(ge=0, le=2**50)] | Annotated[str, Field(min_length=1, max_length=32)]
+
+    @field_validator("bytes")
+    @classmethod
+    def _size(cls, value: int | str) -> int:
+        size = parse_bytes(value)
+        if size > 2**50:
+            raise ValueError(f"{size} bytes is over the largest budget, 2**50")
+        return size
 
 
 # ---------------------------------------------------------------------- responses

@@ -47,7 +47,7 @@ async def list_models(request: Request) -> dict[str, Any]:
     state = server_state(request)
     served = state.engine.models
     data = []
-    in_flight = state.engine.requests_in_flight()
+    in_flight, idle = state.engine.requests_in_flight(), state.engine.idle_seconds()
     for info in state.engine.manager.snapshot():
         model = served.get(info.name)
         if model is None:
@@ -62,6 +62,7 @@ async def list_models(request: Request) -> dict[str, Any]:
                 "bytes": info.bytes,
                 "pinned": info.pinned,
                 "in_flight": in_flight.get(info.name, 0),  # requests, not residency leases
+                "idle_seconds": round(idle[info.name], 1) if info.name in idle else None,  # None: never used
                 "dtype": info.dtype,
                 "max_context": model.max_context,
                 "vocab_size": model.tokenizer.vocab_size,  # token ids of a prompt lie below it
