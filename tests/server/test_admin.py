@@ -66,8 +66,12 @@ def test_listing_shows_every_model_cold_at_first(http):
 
 
 def test_load_pin_unpin_evict(http, live):
+    before = _models(http)[SMOL]
+    assert before["bytes_estimated"] and before["max_context"] == 512 < before["model_context"]
     loaded = http.post(f"/admin/models/{SMOL}/load")
     assert loaded.status_code == 200, loaded.text
+    assert not loaded.json()["bytes_estimated"] and loaded.json()["max_context"] == 512
+    assert abs(loaded.json()["bytes"] - before["bytes"]) < 0.1 * before["bytes"], (before, loaded.json())
     assert loaded.json()["id"] == SMOL and loaded.json()["state"] == "resident"
     assert loaded.json()["bytes"] > 100 * 2**20
     assert loaded.json()["in_flight"] == 0

@@ -59,12 +59,14 @@ async def list_models(request: Request) -> dict[str, Any]:
                 "created": STARTED,
                 "owned_by": "polylane",
                 "state": info.state,
-                "bytes": info.bytes,
+                "bytes": info.bytes,  # weights and KV reservation: measured once resident
+                "bytes_estimated": info.state != "resident",  # before: from the file's header
                 "pinned": info.pinned,
                 "in_flight": in_flight.get(info.name, 0),  # requests, not residency leases
                 "idle_seconds": round(idle[info.name], 1) if info.name in idle else None,  # None: never used
                 "dtype": info.dtype,
-                "max_context": model.max_context,
+                "max_context": model.max_request_tokens,  # what one request (prompt + output) may use
+                "model_context": model.max_context,  # what the model was trained for
                 "vocab_size": model.tokenizer.vocab_size,  # token ids of a prompt lie below it
                 "chat": model.tokenizer.has_chat_template,
                 "aliases": state.aliases_of(info.name),
