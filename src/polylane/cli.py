@@ -18,6 +18,7 @@ import sys
 
 from polylane import catalog
 from polylane.cli_generate import DEVICE_HELP
+from polylane.server.logs import FORMATS, LEVELS
 from polylane.types import WEIGHT_DTYPES, LoadError
 
 
@@ -104,7 +105,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     file_data = server_config.load_config_file(args.config) if args.config else {}
     known = {
         "budget", "api_key", "host", "port", "lane_policy", "models", "device", "threads", "strict",
-        "drain_timeout", "max_queue_seconds", *server_config.SAMPLING_FIELDS,
+        "drain_timeout", "max_queue_seconds", "log_level", "log_format", "metrics_public",
+        *server_config.SAMPLING_FIELDS,
     }  # fmt: skip
     unknown = set(file_data) - known
     if unknown:
@@ -138,6 +140,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         threads=server_config.parse_threads(args.threads or file_data.get("threads", 0)),
         strict=args.strict or file_data.get("strict") is True,
         sampling=server_config.sampling_overrides(vars(args), file_data),
+        metrics_public=args.metrics_public or file_data.get("metrics_public") is True,
+        log_level=server_config.choice("log_level", args.log_level, file_data, LEVELS, "info"),
+        log_format=server_config.choice("log_format", args.log_format, file_data, FORMATS, "text"),
         drain_timeout_s=_seconds("drain timeout", args.drain_timeout, file_data.get("drain_timeout", 30)),
         limits=server_config.Limits(
             max_queue_s=_seconds(
@@ -246,9 +251,20 @@ def build_parser() -> argparse.ArgumentParser:
             type=kind,
             help=f"for requests that leave it unset, over each model's own setting (else {default})",
         )
+    serve.add_argument(
+        "--log-level",
+        choices=LEVELS,
+        help="info (default): loads, evictions, budget and pins, one line per request",
+    )
+    serve.add_argument("--log-format", choices=FORMATS, help="text (default) or json (one object per line)")
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
-    serve.add_argument("--api-key", help="require this key on every route but /health ($POLYLANE_API_KEY)")
+    serve.add_argument(
+        "--api-key", help="require this key on every route but the health probes ($POLYLANE_API_KEY)"
+    )
+    serve.add_argument(
+        "--metrics-public", action="store_true", help="/metrics answers without the API key (for a scraper)"
+    )
     serve.add_argument(
         "--lane-policy", choices=["fcfs", "round-robin", "priority", "throughput"], help="decode lane policy"
     )

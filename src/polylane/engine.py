@@ -140,6 +140,8 @@ class Completion:
     cached_tokens: int
     ttft_seconds: float | None
     tpot_seconds: float | None  # mean seconds per output token after the first
+    queue_seconds: float | None = None  # from submission to its first prefill step (None: never began)
+    e2e_seconds: float | None = None  # from submission to its last event
 
 
 class RequestHandle:
@@ -156,8 +158,10 @@ class RequestHandle:
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
         self.cached_tokens = 0
         self.submitted_at = time.perf_counter()
+        self.started_at: float | None = None  # its first prefill step began (the queue is behind it)
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
+        self.finished_at: float | None = None
 
     @property
     def done(self) -> bool:
@@ -225,6 +229,8 @@ class RequestHandle:
             self.cached_tokens,
             ttft,
             tpot,
+            self.started_at - self.submitted_at if self.started_at is not None else None,
+            self.finished_at - self.submitted_at if self.finished_at is not None else None,
         )
 
     def _push(self, event: StreamEvent, wakes: _Wakes) -> None:
@@ -233,6 +239,7 @@ class RequestHandle:
         with self._cond:
             self._events.append(event)
             if event.finish_reason is not None:
+                self.finished_at = time.perf_counter()
                 self._done.set()  # before any waiter wakes: result(timeout=0) then sees it done
             self._cond.notify_all()
             waiters = list(self._waiters)
@@ -419,6 +426,14 @@ class Engine:
             counts[output.handle.model] = counts.get(output.handle.model, 0) + 1
         return counts
 
+    def requests_waiting(self) -> dict[str, int]:
+        """Per model, its requests accepted and not yet begun (no prefill step yet)."""
+        counts: dict[str, int] = {}
+        for output in list(self._outputs.values()):
+            if output.handle.started_at is None:
+                counts[output.handle.model] = counts.get(output.handle.model, 0) + 1
+        return counts
+
     def idle_seconds(self) -> dict[str, float]:
         """Per model that has served a request, seconds since its last one began or ended (0 while
         one runs)."""
@@ -472,6 +487,7 @@ class Engine:
                     continue
                 self._start_loads(plan.acquire)
                 started = time.perf_counter()
+                self._mark_started(plan, started)
                 result = self.runner.execute(plan)
                 self._deliver(plan, result)
                 self.stats_recorder.step(plan, result, time.perf_counter() - started)
@@ -659,6 +675,13 @@ class Engine:
         _wake_loops(wakes)
         self.runner.detach_all()
         self.compute_threads.restore()
+
+    def _mark_started(self, plan: StepPlan, now: float) -> None:
+        """The time each request's first prefill step begins (its queue time ends there)."""
+        for work in plan.prefill:
+            output = self._outputs.get(work.request_id)
+            if output is not None and output.handle.started_at is None:
+                output.handle.started_at = now
 
     def _prefix_stats(self) -> dict[str, Any]:
         out = {}

@@ -256,10 +256,12 @@ class ResidencyManager:
     def pin(self, name: str) -> None:
         with self._lock:
             self._pool.pin(name)
+        log.info("pinned %s: never evicted for room until unpinned", name)
 
     def unpin(self, name: str) -> None:
         with self._lock:
             self._pool.unpin(name)
+        log.info("unpinned %s", name)
 
     def evict(self, name: str, force: bool = False) -> None:
         with self._lock:
@@ -268,10 +270,17 @@ class ResidencyManager:
     def set_budget(self, budget_bytes: int) -> list[str]:
         """Change the budget; returns the models evicted to fit it (in eviction order)."""
         with self._lock:
+            before = self._pool.budget_bytes
             evictions = self._pool.set_budget(budget_bytes)
             names = [e.name for e in evictions]
             self._drop(evictions)
-            return names
+        log.info(
+            "budget %.2f → %.2f GiB%s",
+            before / 2**30,
+            budget_bytes / 2**30,
+            f", evicted {', '.join(names)}" if names else "",
+        )
+        return names
 
     @property
     def budget_bytes(self) -> int:

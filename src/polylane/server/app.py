@@ -1,7 +1,8 @@
 """Wiring: the FastAPI app over one engine, its guards, and `serve()` behind `polylane serve`.
 
 What this module owns: building the app (routes, error handlers), the two guards every request
-passes first (the API key, compared in constant time, on every route but the health probes; the
+passes first (the API key, compared in constant time, on every route but the health probes, and
+`/metrics` with `--metrics-public`; the
 body size limit, 413 before the body is parsed, whether or not the client sent a Content-Length),
 the probes and `/metrics`, and starting the server: the port is bound before anything loads (a port
 in use fails at once), the first model loads while the server already answers (`/health` 503
@@ -18,7 +19,6 @@ import errno
 import hmac
 import logging
 import socket
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -31,9 +31,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from polylane.engine import Engine, EngineConfig
 from polylane.policy.scheduler import SchedulerConfig
-from polylane.server import errors, openapi, routes_admin, routes_openai
+from polylane.server import errors, logs, openapi, routes_admin, routes_openai
 from polylane.server.config import ServerConfig
 from polylane.server.errors import error_response
+from polylane.server.logs import AccessLog
 from polylane.server.shutdown import DrainingServer, exit_cleanly_on_sigterm
 from polylane.server.state import ServerState
 
@@ -44,15 +45,22 @@ OPEN_ROUTES = ("/health", "/health/live", "/health/ready")
 class GuardMiddleware:
     """API key and body size, checked before any route runs (pure ASGI, so streaming is untouched)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, max_body_bytes: int, open_routes: tuple[str, ...]
+    ) -> None:
+        self.app, self.api_key, self.max_body_bytes, self.open_routes = (
+            app,
+            api_key,
+            max_body_bytes,
+            open_routes,
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key is not None and scope["path"] not in OPEN_ROUTES:
+        if self.api_key is not None and scope["path"] not in self.open_routes:
             supplied = headers.get("authorization", "")
             token = supplied[7:] if supplied[:7].lower() == "bearer " else ""
             if not hmac.compare_digest(token.encode(), self.api_key.encode()):
@@ -135,7 +143,14 @@ def create_app(state: ServerState, *, close_engine: bool = True) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    app.add_middleware(GuardMiddleware, api_key=state.api_key, max_body_bytes=state.limits.max_body_bytes)
+    open_routes = (*OPEN_ROUTES, "/metrics") if state.metrics_public else OPEN_ROUTES
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=state.api_key,
+        max_body_bytes=state.limits.max_body_bytes,
+        open_routes=open_routes,
+    )
+    app.add_middleware(AccessLog, count=state.metrics.http_response)  # outermost: refusals are logged too
     openapi.install(
         app,
         state.limits,
@@ -174,7 +189,6 @@ def build_state(config: ServerConfig, *, quiet: bool = False) -> ServerState:
                     raise
                 unavailable[model.name] = str(error)
                 log.error("model %s is not served: %s", model.name, error)
-                print(f"polylane: {model.name} is not served: {error}", file=sys.stderr, flush=True)
             aliases.update({alias: model.name for alias in model.aliases})
         if not engine.models:
             raise ValueError("none of the declared models can be served: " + "; ".join(unavailable.values()))
@@ -183,6 +197,7 @@ def build_state(config: ServerConfig, *, quiet: bool = False) -> ServerState:
         raise
     state = ServerState(engine, config.limits, config.api_key, aliases, unavailable)
     state.sampling = dict(config.sampling)
+    state.metrics_public = config.metrics_public
     return state
 
 
@@ -216,6 +231,7 @@ def serve(config: ServerConfig) -> None:
 
     from polylane.runtime.compute_paths import version_text
 
+    logs.configure(config.log_level, config.log_format)
     for line in version_text(config.threads).splitlines():
         _say(line)
     listening = listening_socket(config.host, config.port)
@@ -227,9 +243,8 @@ def serve(config: ServerConfig) -> None:
     state.ready = False
     first = next(m.name for m in config.models if m.name in state.engine.models)
     exit_cleanly_on_sigterm()
-    server = DrainingServer(
-        uvicorn.Config(create_app(state), log_level="warning"), state, config.drain_timeout_s
-    )
+    app_config = uvicorn.Config(create_app(state), log_level=config.log_level, log_config=None)
+    server = DrainingServer(app_config, state, config.drain_timeout_s)
     failed: list[str] = []
 
     def load_first() -> None:  # while the server answers (/health: 503 "loading the first model")
@@ -254,4 +269,4 @@ def serve(config: ServerConfig) -> None:
 
 
 def _say(message: str) -> None:
-    print(f"polylane: {message}", file=sys.stderr, flush=True)
+    log.info(message)

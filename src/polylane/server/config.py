@@ -98,6 +98,9 @@ class ServerConfig:
     # over every model's sampling defaults for the fields a request leaves unset (serve's --temperature,
     # --top-k, --top-p, --min-p; the config file's keys of those names)
     sampling: dict[str, float | int] = field(default_factory=dict)
+    metrics_public: bool = False  # /metrics answers without the API key
+    log_level: str = "info"  # polylane's and uvicorn's loggers (server.logs)
+    log_format: str = "text"  # or "json": one object per line
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
@@ -121,6 +124,16 @@ def sampling_overrides(flags: dict[str, object], file_data: dict[str, object]) -
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return chosen
+
+
+def choice(
+    name: str, flag: str | None, file_data: dict[str, Any], allowed: tuple[str, ...], default: str
+) -> str:
+    """A setting from its flag, else the config file, else `default`; one of `allowed`."""
+    value = flag if flag is not None else file_data.get(name, default)
+    if value not in allowed:
+        raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    return str(value)
 
 
 def parse_threads(value: object) -> int:

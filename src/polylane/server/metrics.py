@@ -1,11 +1,14 @@
 """`GET /metrics`: Prometheus text, every name prefixed `polylane_`.
 
-What this module owns: the server's histograms (TTFT and TPOT per model, observed as requests
-finish) and a collector that reads the engine at scrape time: per-model residency state and
-bytes, KV blocks (held, cached, free), compute threads, the other processes' CPU load and this
-process's CPU time, lane share and decode steps, requests by finish reason, generated tokens, evictions by
-cause, prefix-cache hits, the observed most models decoding at once, speculation per (target,
-drafter) pair, and the admission queue.
+What this module owns: what the server counts as requests end (tokens exactly as each response's
+`usage` reports them: prompt, completion and prefix-cache tokens, counters that only go up; TTFT,
+TPOT, end-to-end and queue-time histograms per model; HTTP responses by route and status) and a
+collector that reads the engine at scrape time: per-model residency state and bytes, requests
+running and waiting, KV blocks (held, cached, free), compute threads, the other processes' CPU load
+and this process's CPU time, decode-lane steps, requests by finish reason, generated tokens,
+evictions by cause, cross-model prefill hits, the observed most models decoding at once,
+speculation per (target, drafter) pair, and the admission queue. Shares and rates are left to
+PromQL (`rate()` of the counters), except speculation's per-pair ratios.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
@@ -43,14 +46,25 @@ class _EngineCollector:
         in_flight = GaugeMetricFamily(
             "polylane_model_in_flight", "requests accepted and not yet ended", labels=["model"]
         )
+        running = GaugeMetricFamily(
+            "polylane_requests_running",
+            "requests whose prefill has begun and that have not ended",
+            labels=["model"],
+        )
+        waiting = GaugeMetricFamily(
+            "polylane_requests_waiting", "requests accepted and not yet begun (queued)", labels=["model"]
+        )
         requests = self.engine.requests_in_flight()
+        queued = self.engine.requests_waiting()
         for info in snapshot:
             for name in _STATES:
                 state.add_metric([info.name, name], 1.0 if info.state == name else 0.0)
             size.add_metric([info.name], info.bytes)
             pinned.add_metric([info.name], 1.0 if info.pinned else 0.0)
             in_flight.add_metric([info.name], requests.get(info.name, 0))
-        yield from (state, size, pinned, in_flight)
+            running.add_metric([info.name], requests.get(info.name, 0) - queued.get(info.name, 0))
+            waiting.add_metric([info.name], queued.get(info.name, 0))
+        yield from (state, size, pinned, in_flight, running, waiting)
 
         blocks = GaugeMetricFamily(
             "polylane_kv_blocks",
@@ -107,9 +121,6 @@ class _EngineCollector:
             "polylane_process_cpu_seconds", "CPU time of this process (all threads)", value=cpu_seconds
         )
 
-        lane = GaugeMetricFamily(
-            "polylane_lane_share", "share of decode steps owned by the model", labels=["model"]
-        )
         lane_steps = CounterMetricFamily(
             "polylane_lane_steps", "decode steps owned by the model", labels=["model"]
         )
@@ -118,28 +129,19 @@ class _EngineCollector:
             "polylane_requests_finished", "requests ended", labels=["model", "reason"]
         )
         tokens = CounterMetricFamily("polylane_generation_tokens", "tokens generated", labels=["model"])
-        prefix = GaugeMetricFamily(
-            "polylane_prefix_hit_rate", "prompt tokens served from the prefix cache", labels=["model"]
-        )
-        prefix_tokens = CounterMetricFamily(
-            "polylane_prefix_hit_tokens", "prompt tokens served from cache", labels=["model"]
-        )
         cross_tokens = CounterMetricFamily(
             "polylane_cross_model_hit_tokens",
             "prompt tokens whose lower-band KV came from another model (shared layers)",
             labels=["model"],
         )
         for name, model in stats.models.items():
-            lane.add_metric([name], model.lane_share)
             lane_steps.add_metric([name], model.lane_steps)
             requests.add_metric([name], model.requests)
             tokens.add_metric([name], model.output_tokens)
-            prefix.add_metric([name], model.prefix_hit_rate)
-            prefix_tokens.add_metric([name], model.prefix_matched_tokens)
             cross_tokens.add_metric([name], model.cross_model_tokens)
             for reason, count in model.finished.items():
                 finished.add_metric([name, reason], count)
-        yield from (lane, lane_steps, requests, finished, tokens, prefix, prefix_tokens, cross_tokens)
+        yield from (lane_steps, requests, finished, tokens, cross_tokens)
 
         yield CounterMetricFamily("polylane_steps", "engine steps", value=stats.steps)
         yield CounterMetricFamily(
@@ -228,29 +230,54 @@ def _speculation_metrics(stats: EngineStats) -> Iterator[Metric]:
 
 
 class ServerMetrics:
+    """The collector above, and what the server counts itself as requests end: tokens as the
+    responses' `usage` reports them (prompt, completion, prompt tokens served from the prefix
+    cache: counters that only go up), latency histograms, and HTTP responses by route and status."""
+
     def __init__(self, engine: Engine, admission: Admission) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, admission))  # type: ignore[arg-type]
-        self.ttft = Histogram(
-            "polylane_ttft_seconds",
-            "time to first token",
-            ["model"],
-            registry=self.registry,
-            buckets=_LATENCY_BUCKETS,
+
+        def histogram(name: str, what: str) -> Histogram:
+            return Histogram(name, what, ["model"], registry=self.registry, buckets=_LATENCY_BUCKETS)
+
+        self.ttft = histogram("polylane_ttft_seconds", "time to first token")
+        self.tpot = histogram("polylane_tpot_seconds", "time per output token after the first")
+        self.e2e = histogram("polylane_e2e_seconds", "from submission to the last token (or the end)")
+        self.queue = histogram("polylane_queue_seconds", "from submission to the first prefill step")
+
+        def counter(name: str, what: str, labels: tuple[str, ...] = ("model",)) -> Counter:
+            return Counter(name, what, list(labels), registry=self.registry)
+
+        self.prompt_tokens = counter("polylane_prompt_tokens", "prompt tokens of ended requests (usage)")
+        self.completion_tokens = counter(
+            "polylane_completion_tokens", "tokens generated for ended requests (usage)"
         )
-        self.tpot = Histogram(
-            "polylane_tpot_seconds",
-            "time per output token after the first",
-            ["model"],
-            registry=self.registry,
-            buckets=_LATENCY_BUCKETS,
+        self.prefix_hit_tokens = counter(
+            "polylane_prefix_hit_tokens", "prompt tokens served from the prefix cache (usage's cached_tokens)"
+        )
+        self.http = counter(
+            "polylane_http_responses", "HTTP responses, by route and status", ("route", "status")
         )
 
-    def observe(self, completion: Completion) -> None:
-        if completion.ttft_seconds is not None:
-            self.ttft.labels(completion.model).observe(completion.ttft_seconds)
-        if completion.tpot_seconds is not None:
-            self.tpot.labels(completion.model).observe(completion.tpot_seconds)
+    def served(self, completions: list[Completion]) -> None:
+        """One request's choices have ended: count its tokens as its usage does, observe latencies."""
+        first = completions[0]
+        self.prompt_tokens.labels(first.model).inc(first.prompt_tokens)
+        self.prefix_hit_tokens.labels(first.model).inc(first.cached_tokens)
+        self.completion_tokens.labels(first.model).inc(sum(len(c.token_ids) for c in completions))
+        for completion in completions:
+            for histogram, value in (
+                (self.ttft, completion.ttft_seconds),
+                (self.tpot, completion.tpot_seconds),
+                (self.e2e, completion.e2e_seconds),
+                (self.queue, completion.queue_seconds),
+            ):
+                if value is not None:
+                    histogram.labels(completion.model).observe(value)
+
+    def http_response(self, route: str, status: int) -> None:
+        self.http.labels(route, str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

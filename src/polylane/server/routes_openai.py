@@ -158,6 +158,7 @@ async def _serve(
             if not handle.done:
                 handle.abort()
         state.admission.release(reserved)
+        request.state.polylane_access = _access_fields(model, len(prompt_ids), handles)
 
     if body.stream:
         events = _events(handles)
@@ -172,7 +173,7 @@ async def _serve(
         index, event = first
         if event.finish_reason is not None and event.finish_reason not in protocol.FINISH_REASONS:
             finish()  # failed before a token: an error status, not a 200 and an error event
-            state.metrics.observe(handles[index].result(timeout=0))
+            state.metrics.served([handles[index].result(timeout=0)])
             raise _failure_error(event.finish_reason, event.error, state, deadline_s)
         return _EventStream(
             _stream(state, request_id, body, handles, chat, finish, first, events, deadline_s),
@@ -186,8 +187,7 @@ async def _serve(
         finish()
     if completions is None:  # the client went away; nobody reads a response
         return JSONResponse(protocol.error_body_gone(), status_code=499)
-    for completion in completions:
-        state.metrics.observe(completion)
+    state.metrics.served(completions)
     for completion in completions:
         if completion.finish_reason not in protocol.FINISH_REASONS:
             raise _failure_error(completion.finish_reason, completion.error, state, deadline_s)
@@ -196,6 +196,19 @@ async def _serve(
         len(prompt_ids), sum(len(c.token_ids) for c in completions), completions[0].cached_tokens
     )
     return protocol.completion_body(request_id, body.model, choices, usage, chat)
+
+
+def _access_fields(model: str, prompt_tokens: int, handles: list[RequestHandle]) -> dict[str, Any]:
+    """The access log's part of a completion request (logs.AccessLog): its model and tokens, and
+    the first token's time of its first choice to have one."""
+    done = [h.result(timeout=0) for h in handles if h.done]
+    ttfts = [c.ttft_seconds for c in done if c.ttft_seconds is not None]
+    return {
+        "model": model,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": sum(len(c.token_ids) for c in done),
+        "ttft_ms": round(min(ttfts) * 1000, 1) if ttfts else None,
+    }
 
 
 class _EventStream(StreamingResponse):
@@ -407,8 +420,7 @@ async def _stream(
             started[index] = True
             yield f"data: {json.dumps(chunk)}\n\n"
         completions = [h.result(timeout=0) for h in handles]
-        for completion in completions:
-            state.metrics.observe(completion)
+        state.metrics.served(completions)
         if error is not None:
             yield f"data: {json.dumps(error_body(503, error[0], None, error[1]))}\n\n"
         if body.include_usage:

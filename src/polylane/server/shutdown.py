@@ -58,4 +58,3 @@ def exit_cleanly_on_sigterm() -> None:
 
 def _say(message: str) -> None:
     log.info(message)
-    print(f"polylane: {message}", file=sys.stderr, flush=True)
