@@ -88,7 +88,8 @@ class AccessLog:
 
     @staticmethod
     def _write(scope: Scope, route: str, status: int, total_ms: float) -> None:
-        if not log.isEnabledFor(logging.DEBUG):
+        level = logging.DEBUG if route in QUIET_ROUTES and status < 400 else logging.INFO  # probes, scrapes
+        if not log.isEnabledFor(level):
             return
         fields: dict[str, Any] = {
             "method": scope["method"],
@@ -106,5 +107,4 @@ class AccessLog:
                 f"completion={fields['completion_tokens']} ttft_ms={'-' if ttft is None else f'{ttft:.0f}'}"
             )
         parts.append(f"total_ms={total_ms:.0f}")
-        quiet = route in QUIET_ROUTES and status < 400  # probes and scrapes: at debug
-        log.log(logging.DEBUG if quiet else logging.INFO, " ".join(parts), extra={"fields": fields})
+        log.log(level, " ".join(parts), extra={"fields": fields})
