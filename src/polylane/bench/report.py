@@ -17,7 +17,9 @@ backend (no display needed):
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -49,6 +51,9 @@ def write(results: dict[str, Any], out: Path) -> dict[str, Path]:
     paths = {"json": out / "results.json", "markdown": out / "results.md"}
     paths["json"].write_text(json.dumps(results, indent=1) + "\n")
     paths["markdown"].write_text(markdown(results))
+    if importlib.util.find_spec("matplotlib") is None:
+        print("bench: no plots (pip install 'polylane[bench]' for matplotlib)", file=sys.stderr)
+        return paths
     for name in PLOTS:
         paths[name] = out / name
     plot_primary(results, paths["primary.png"])
