@@ -89,6 +89,7 @@ def start_server(
     pinned: tuple[str, ...] = (),
     dtype: str = "fp32",
     more: tuple[ModelDecl, ...] = (),
+    metrics_public: bool = False,
 ) -> LiveServer:
     """`more`: models declared as they are (a file of the test's own) after `models`."""
     for name in models:
@@ -101,6 +102,7 @@ def start_server(
         budget_bytes=budget_bytes,
         api_key=api_key,
         limits=limits or Limits(),
+        metrics_public=metrics_public,
     )
     state = build_state(config, quiet=True)
     app = create_app(state)

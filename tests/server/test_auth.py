@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import httpx
 import openai
 import pytest
 from starlette.routing import Route
@@ -117,3 +118,14 @@ def test_the_right_key_works(live):
     wrong = openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="wrong", max_retries=0)
     with wrong, pytest.raises(openai.AuthenticationError):
         wrong.models.list()
+
+
+def test_metrics_public_opens_metrics_alone():
+    """`--metrics-public`: a scraper reads /metrics without the key; every other route still asks."""
+    server = start_server((SMOL,), api_key=API_KEY, kv_tokens=256, metrics_public=True)
+    try:
+        assert httpx.get(f"{server.base_url}/metrics", timeout=30).status_code == 200
+        assert_error(httpx.get(f"{server.base_url}/v1/models", timeout=30), 401, code="invalid_api_key")
+        assert_error(httpx.get(f"{server.base_url}/admin/models", timeout=30), 401, code="invalid_api_key")
+    finally:
+        server.stop()
