@@ -44,3 +44,22 @@ def test_a_budget_below_the_first_model_exits_with_its_reason(tmp_path):
     assert last.startswith(f"error: {SMOL} cannot load: "), last
     assert "larger than the whole budget" in last and "budget 100000000 bytes" in last, last
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_pinned_model_that_cannot_fit_fails_the_start_too(tmp_path):
+    """Pinned models load at start (resident from the first request on); one larger than the budget
+    ends the start with its reason, after the first model loaded."""
+    fetch_or_skip(SMOL)
+    fetch_or_skip("gemma3-270m")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    done = _serve(
+        "gemma3-270m", "--pin", "gemma3-270m", "--port", str(port), "--budget", "250MB", cwd=tmp_path
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: gemma3-270m cannot load: ") and "larger than the whole budget" in last, (
+        last
+    )
+    assert f"loaded {SMOL} " in done.stderr, "the first model loads before the pinned one"

@@ -247,17 +247,21 @@ def serve(config: ServerConfig) -> None:
     server = DrainingServer(app_config, state, config.drain_timeout_s)
     failed: list[str] = []
 
+    # the first model, and every pinned one (pinned: resident from the start, never evicted)
+    at_start = [first, *(m.name for m in config.models if m.pinned and m.name in state.engine.models)]
+
     def load_first() -> None:  # while the server answers (/health: 503 "loading the first model")
         started = time.perf_counter()
-        try:
-            with state.engine.manager.acquire(first):
-                pass
-        except Exception as error:
-            failed.append(f"{first} cannot load: {error}")
-            server.should_exit = True
-            return
+        for name in dict.fromkeys(at_start):
+            try:
+                with state.engine.manager.acquire(name):
+                    pass
+            except Exception as error:
+                failed.append(f"{name} cannot load: {error}")
+                server.should_exit = True
+                return
         state.ready = True
-        _say(f"{first} loaded in {time.perf_counter() - started:.1f} s: ready")
+        _say(f"{', '.join(dict.fromkeys(at_start))} loaded in {time.perf_counter() - started:.1f} s: ready")
 
     names = ", ".join(m.name for m in config.models if m.name in state.engine.models)
     budget = f"budget {config.budget_bytes / 2**30:.2f} GiB"
