@@ -75,7 +75,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     for entry in catalog.CATALOG.values():
         cached = catalog.is_cached(entry)
         converted = sum(p.stat().st_size for p in conversions_of(entry.sha256))
-        fetched += entry.size_bytes if cached else 0
+        fetched += catalog.cached_path(entry).stat().st_size if cached else 0
         converted_here += converted
         default = "  (default)" if entry.name == catalog.DEFAULT_MODEL else ""
         print(
