@@ -105,7 +105,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     file_data = server_config.load_config_file(args.config) if args.config else {}
     known = {
         "budget", "api_key", "host", "port", "lane_policy", "models", "device", "threads", "strict",
-        "drain_timeout", "max_queue_seconds", "log_level", "log_format", "metrics_public",
+        "drain_timeout", "max_queue_seconds", "log_level", "log_format", "metrics_public", "allowed_origins",
         *server_config.SAMPLING_FIELDS,
     }  # fmt: skip
     unknown = set(file_data) - known
@@ -141,6 +141,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         strict=args.strict or file_data.get("strict") is True,
         sampling=server_config.sampling_overrides(vars(args), file_data),
         metrics_public=args.metrics_public or file_data.get("metrics_public") is True,
+        allowed_origins=server_config.origins(args.allowed_origins, file_data.get("allowed_origins")),
         log_level=server_config.choice("log_level", args.log_level, file_data, LEVELS, "info"),
         log_format=server_config.choice("log_format", args.log_format, file_data, FORMATS, "text"),
         drain_timeout_s=_seconds("drain timeout", args.drain_timeout, file_data.get("drain_timeout", 30)),
@@ -261,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument(
         "--api-key", help="require this key on every route but the health probes ($POLYLANE_API_KEY)"
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        action="append",
+        help="a browser origin that may call the API (CORS), e.g. http://localhost:3000, or * for any; "
+        "repeatable or comma-separated (default: none, CORS off)",
     )
     serve.add_argument(
         "--metrics-public", action="store_true", help="/metrics answers without the API key (for a scraper)"

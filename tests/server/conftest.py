@@ -90,6 +90,7 @@ def start_server(
     dtype: str = "fp32",
     more: tuple[ModelDecl, ...] = (),
     metrics_public: bool = False,
+    allowed_origins: tuple[str, ...] = (),
 ) -> LiveServer:
     """`more`: models declared as they are (a file of the test's own) after `models`."""
     for name in models:
@@ -103,6 +104,7 @@ def start_server(
         api_key=api_key,
         limits=limits or Limits(),
         metrics_public=metrics_public,
+        allowed_origins=allowed_origins,
     )
     state = build_state(config, quiet=True)
     app = create_app(state)

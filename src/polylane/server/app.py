@@ -26,6 +26,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -150,6 +151,13 @@ def create_app(state: ServerState, *, close_engine: bool = True) -> FastAPI:
         max_body_bytes=state.limits.max_body_bytes,
         open_routes=open_routes,
     )
+    if state.allowed_origins:  # outside the guard: a browser's preflight carries no API key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(state.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     app.add_middleware(AccessLog, count=state.metrics.http_response)  # outermost: refusals are logged too
     openapi.install(
         app,
@@ -198,6 +206,7 @@ def build_state(config: ServerConfig, *, quiet: bool = False) -> ServerState:
     state = ServerState(engine, config.limits, config.api_key, aliases, unavailable)
     state.sampling = dict(config.sampling)
     state.metrics_public = config.metrics_public
+    state.allowed_origins = config.allowed_origins
     return state
 
 

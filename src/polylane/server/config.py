@@ -99,6 +99,7 @@ class ServerConfig:
     # --top-k, --top-p, --min-p; the config file's keys of those names)
     sampling: dict[str, float | int] = field(default_factory=dict)
     metrics_public: bool = False  # /metrics answers without the API key
+    allowed_origins: tuple[str, ...] = ()  # CORS origins (serve --allowed-origins; "*" for any)
     log_level: str = "info"  # polylane's and uvicorn's loggers (server.logs)
     log_format: str = "text"  # or "json": one object per line
 
@@ -134,6 +135,17 @@ def choice(
     if value not in allowed:
         raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
     return str(value)
+
+
+def origins(flags: list[str] | None, configured: object) -> tuple[str, ...]:
+    """CORS origins from the flags (repeatable, comma-separated), else the config file's list."""
+    if flags:
+        return tuple(o.strip() for flag in flags for o in flag.split(",") if o.strip())
+    if configured is None:
+        return ()
+    if not isinstance(configured, list) or not all(isinstance(o, str) and o for o in configured):
+        raise ConfigError(f"allowed_origins must be a list of origins, got {configured!r}")
+    return tuple(configured)
 
 
 def parse_threads(value: object) -> int:

@@ -69,6 +69,7 @@ ERRORS = {
     ("/v1/completions", "post"): (400, 413, 429, 503),
     ("/v1/chat/completions", "post"): (400, 413, 429, 503),
     ("/v1/models", "get"): (),
+    ("/v1/models/{name}", "get"): (503,),
     ("/admin/models", "get"): (),
     ("/admin/models/{name}/load", "post"): (409, 503),
     ("/admin/models/{name}/pin", "post"): (),

@@ -15,6 +15,7 @@ token ids; each is a 400 naming the field.
 
 from __future__ import annotations
 
+import importlib.metadata
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -60,6 +61,11 @@ _UNSUPPORTED = (
     "guided_choice",
     "guided_grammar",
 )
+
+
+# What served the response, as OpenAI's `system_fingerprint`: the engine's version (responses from
+# one version of polylane with the same request and seed are the same).
+SYSTEM_FINGERPRINT = f"fp_polylane_{importlib.metadata.version('polylane')}"
 
 
 class _Strict(BaseModel):
@@ -281,6 +287,7 @@ def completion_body(
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
         "choices": choices,
         "usage": usage_,
     }
@@ -298,32 +305,41 @@ def choice(index: int, text: str, finish_reason: str | None, chat: bool) -> dict
 
 
 def chunk_body(
-    request_id: str, model: str, index: int, text: str, finish_reason: str | None, chat: bool, first: bool
+    request_id: str, model: str, index: int, text: str, finish_reason: str | None, chat: bool
 ) -> dict[str, Any]:
+    """A streamed piece of one choice: its text (a chat delta's `content`; an empty delta where
+    `text` is empty), and the finish reason on the last."""
     if chat:
-        delta: dict[str, Any] = {"content": text}
-        if first:
-            delta["role"] = "assistant"
+        delta: dict[str, Any] = {"content": text} if text else {}
         piece = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
     else:
         piece = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
-    return {
-        "id": request_id,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [piece],
+    return _envelope(request_id, model, chat, choices=[piece])
+
+
+def role_chunk(request_id: str, model: str, index: int) -> dict[str, Any]:
+    """A chat choice's first chunk, as OpenAI sends it: the role and empty content."""
+    piece = {
+        "index": index,
+        "delta": {"role": "assistant", "content": ""},
+        "finish_reason": None,
+        "logprobs": None,
     }
+    return _envelope(request_id, model, True, choices=[piece])
 
 
 def usage_chunk(request_id: str, model: str, usage_: dict[str, Any], chat: bool) -> dict[str, Any]:
+    return _envelope(request_id, model, chat, choices=[], usage=usage_)
+
+
+def _envelope(request_id: str, model: str, chat: bool, **fields: Any) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": "chat.completion.chunk" if chat else "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [],
-        "usage": usage_,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+        **fields,
     }
 
 

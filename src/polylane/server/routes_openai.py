@@ -45,6 +45,18 @@ def server_state(request: Request) -> ServerState:
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     state = server_state(request)
+    return {"object": "list", "data": _model_objects(state)}
+
+
+@router.get("/v1/models/{name}")
+async def retrieve_model(name: str, request: Request) -> dict[str, Any]:
+    """One model's object (`client.models.retrieve`); an alias answers with its model's."""
+    state = server_state(request)
+    canonical = state.resolve(name)
+    return next(m for m in _model_objects(state) if m["id"] == canonical)
+
+
+def _model_objects(state: ServerState) -> list[dict[str, Any]]:
     served = state.engine.models
     data = []
     in_flight, idle = state.engine.requests_in_flight(), state.engine.idle_seconds()
@@ -72,7 +84,7 @@ async def list_models(request: Request) -> dict[str, Any]:
                 "aliases": state.aliases_of(info.name),
             }
         )
-    return {"object": "list", "data": data}
+    return data
 
 
 @router.post("/v1/completions", response_model=None)
@@ -98,11 +110,14 @@ async def _serve(
     requested = body.requested_max_tokens if chat else body.max_tokens  # type: ignore[union-attr]
     limit = served.max_request_tokens
     room = limit - len(prompt_ids)
+    where = "messages" if chat else "prompt"
     if room < 1:
         raise ApiError(
             400,
-            f"the prompt has {len(prompt_ids)} tokens; {model!r} holds at most {limit} (prompt + max_tokens)",
-            param="messages" if chat else "prompt",
+            f"This model's maximum context length is {limit} tokens. However, your {where} resulted in "
+            f"{len(prompt_ids)} tokens, with none left for the completion. Please reduce the length of "
+            f"the {where}.",
+            param=where,
             code="context_length_exceeded",
         )
     max_tokens = requested if requested is not None else min(limits.max_tokens_default, room)
@@ -110,8 +125,9 @@ async def _serve(
         name = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
         raise ApiError(
             400,
-            f"prompt ({len(prompt_ids)} tokens) + {name} ({max_tokens}) = {len(prompt_ids) + max_tokens} "
-            f"tokens exceeds what {model!r} holds ({limit} tokens)",
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the {where}, {max_tokens} in the "
+            f"completion). Please reduce the length of the {where} or {name}.",
             param=name,
             code="context_length_exceeded",
         )
@@ -414,11 +430,17 @@ async def _stream(
                 finish_reason = None  # the error event below ends the stream
             if not event.text and finish_reason is None:
                 continue
-            chunk = protocol.chunk_body(
-                request_id, body.model, index, event.text, finish_reason, chat, not started[index]
-            )
+            if chat and not started[index]:  # OpenAI's first chunk of a choice: the role alone
+                yield f"data: {json.dumps(protocol.role_chunk(request_id, body.model, index))}\n\n"
             started[index] = True
-            yield f"data: {json.dumps(chunk)}\n\n"
+            if event.text:
+                chunk = protocol.chunk_body(
+                    request_id, body.model, index, event.text, None if chat else finish_reason, chat
+                )
+                yield f"data: {json.dumps(chunk)}\n\n"
+            if finish_reason is not None and (chat or not event.text):  # chat: an empty delta carries it
+                chunk = protocol.chunk_body(request_id, body.model, index, "", finish_reason, chat)
+                yield f"data: {json.dumps(chunk)}\n\n"
         completions = [h.result(timeout=0) for h in handles]
         state.metrics.served(completions)
         if error is not None:

@@ -25,6 +25,7 @@ class ServerState:
     unavailable: dict[str, str] = field(default_factory=dict)  # declared, failed at start → why
     open_handles: set = field(default_factory=set)  # the RequestHandles of requests not yet ended
     sampling: dict[str, float | int] = field(default_factory=dict)  # serve's --temperature etc.
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins that may call the API (none: off)
     metrics_public: bool = False  # /metrics answers without the API key (serve --metrics-public)
     ready: bool = True  # `serve()` clears it until its first model has loaded
     draining: bool = False  # set once shutdown begins: not ready for new traffic, still live

@@ -1,0 +1,114 @@
+"""The OpenAI surface clients rely on, with the official `openai` client: `models.retrieve`,
+`system_fingerprint`, the chunk shape of a streamed chat (a role-only first chunk, text chunks,
+an empty delta carrying `finish_reason`), OpenAI's context-length message, and CORS for browser
+clients (`--allowed-origins`, off by default)."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import SMOL, LiveServer, start_server
+
+
+@pytest.fixture(scope="module")
+def live(shared_server: LiveServer) -> LiveServer:
+    return shared_server
+
+
+@pytest.fixture(scope="module")
+def client(live: LiveServer):
+    with live.openai(timeout=120) as client:
+        yield client
+
+
+def test_models_retrieve_answers_one_model_and_404_for_an_unknown_one(client):
+    model = client.models.retrieve(SMOL)
+    assert model.id == SMOL and model.object == "model"
+    listed = {m.id: m for m in client.models.list()}
+    assert model.model_dump() == listed[SMOL].model_dump() | {
+        "idle_seconds": model.model_dump()["idle_seconds"]
+    }
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.models.retrieve("no-such-model")
+    assert raised.value.body["code"] == "model_not_found"
+
+
+def test_every_response_says_its_system_fingerprint(client):
+    done = client.completions.create(model=SMOL, prompt="Hi", max_tokens=2, temperature=0)
+    assert re.fullmatch(r"fp_polylane_[\w.+-]+", done.system_fingerprint)
+    chunks = list(
+        client.completions.create(model=SMOL, prompt="Hi", max_tokens=2, temperature=0, stream=True)
+    )
+    assert chunks and all(c.system_fingerprint == done.system_fingerprint for c in chunks)
+
+
+def test_a_streamed_chat_has_openais_chunk_shape(client):
+    messages = [{"role": "user", "content": "Name a primary colour."}]
+    reply = client.chat.completions.create(model=SMOL, messages=messages, max_tokens=6, temperature=0)
+    chunks = list(
+        client.chat.completions.create(
+            model=SMOL, messages=messages, max_tokens=6, temperature=0, stream=True
+        )
+    )
+    deltas = [c.choices[0] for c in chunks]
+    first, *middle, last = deltas
+    assert first.delta.role == "assistant" and first.delta.content == "" and first.finish_reason is None
+    assert middle and all(d.delta.content and d.finish_reason is None for d in middle), "text chunks"
+    assert last.delta.content is None and last.delta.role is None, "the last chunk's delta is empty"
+    assert last.finish_reason == reply.choices[0].finish_reason
+    assert "".join(d.delta.content for d in middle) == reply.choices[0].message.content
+
+
+def test_the_context_length_error_says_the_limit_and_the_request(client, live):
+    limit = live.engine.models[SMOL].max_request_tokens
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=SMOL, prompt="Hi", max_tokens=limit)
+    message = raised.value.body["message"]
+    assert f"maximum context length is {limit} tokens" in message, message
+    assert re.search(
+        rf"you requested {limit + 1} tokens \(1 in the prompt, {limit} in the completion\)", message
+    )
+    assert raised.value.body["code"] == "context_length_exceeded"
+
+
+def test_cors_is_off_by_default_and_answers_the_origins_allowed():
+    server = start_server(
+        (SMOL,), kv_tokens=256, api_key="sk-cors", allowed_origins=("http://localhost:3000",)
+    )
+    try:
+        preflight = {
+            "Origin": "http://localhost:3000",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        }
+        answer = httpx.options(f"{server.base_url}/v1/chat/completions", headers=preflight, timeout=30)
+        assert answer.status_code == 200, answer.text  # no API key on a preflight
+        assert answer.headers["access-control-allow-origin"] == "http://localhost:3000"
+        other = httpx.options(
+            f"{server.base_url}/v1/chat/completions",
+            headers={**preflight, "Origin": "http://evil.example"},
+            timeout=30,
+        )
+        assert "access-control-allow-origin" not in other.headers
+        listed = httpx.get(
+            f"{server.base_url}/v1/models",
+            headers={"Origin": "http://localhost:3000", "Authorization": "Bearer sk-cors"},
+            timeout=30,
+        )
+        assert (
+            listed.status_code == 200
+            and listed.headers["access-control-allow-origin"] == "http://localhost:3000"
+        )
+    finally:
+        server.stop()
+
+
+def test_without_allowed_origins_no_cors_header(live):
+    response = httpx.get(
+        f"{live.base_url}/v1/models", headers={"Origin": "http://localhost:3000"}, timeout=30
+    )
+    assert response.status_code == 200 and "access-control-allow-origin" not in response.headers
