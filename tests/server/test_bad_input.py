@@ -71,7 +71,7 @@ CASES = [
     ),
     Case("stream-str", COMPLETIONS, _c(stream="yes please"), 400, "stream"),
     # no coercion across JSON types: each would change what the request means
-    Case("prompt-digit-strings", COMPLETIONS, _c(prompt=["12", "34"]), 400, "prompt"),
+    Case("prompt-mixed-batch", COMPLETIONS, _c(prompt=["12", 34]), 400, "prompt"),
     Case("prompt-bools", COMPLETIONS, _c(prompt=[True, False]), 400, "prompt"),
     Case("prompt-floats", COMPLETIONS, _c(prompt=[1.0, 2.0]), 400, "prompt"),
     Case("max_tokens-digit-string", COMPLETIONS, _c(max_tokens="1"), 400, "max_tokens"),
@@ -115,7 +115,9 @@ CASES = [
     # empty input
     Case("prompt-empty", COMPLETIONS, _c(prompt=""), 400, "prompt"),
     Case("prompt-empty-list", COMPLETIONS, _c(prompt=[]), 400, "prompt"),
-    Case("prompt-two-strings", COMPLETIONS, _c(prompt=["a", "b"]), 400, "prompt"),
+    Case("prompt-batch-over-32", COMPLETIONS, _c(prompt=["a"] * 33), 400, "prompt"),
+    Case("prompt-batch-empty-ids", COMPLETIONS, _c(prompt=[[1, 2], []]), 400, "prompt"),
+    Case("prompt-batch-empty-string", COMPLETIONS, _c(prompt=["a", ""]), 400, "prompt"),
     Case("messages-empty", CHAT, _chat(messages=[]), 400, "messages"),
     Case("messages-all-empty", CHAT, _chat(messages=[{"role": "user", "content": ""}]), 400, "messages"),
     # over the context: the message carries both counts

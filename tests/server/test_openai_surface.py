@@ -112,3 +112,27 @@ def test_without_allowed_origins_no_cors_header(live):
         f"{live.base_url}/v1/models", headers={"Origin": "http://localhost:3000"}, timeout=30
     )
     assert response.status_code == 200 and "access-control-allow-origin" not in response.headers
+
+
+def test_a_batch_of_prompts_gets_n_choices_each_in_order(client, live):
+    """`prompt` as a list of strings or of token lists: choice index = prompt × n + choice, each
+    choice what its prompt alone gives (greedy), usage summed over the prompts."""
+    texts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
+    alone = [client.completions.create(model=SMOL, prompt=t, max_tokens=4, temperature=0) for t in texts]
+    batch = client.completions.create(model=SMOL, prompt=texts, max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone) * 2
+    tokenizer = live.engine.models[SMOL].tokenizer
+    ids = [tokenizer.encode(t) for t in texts[:2]]
+    by_ids = client.completions.create(model=SMOL, prompt=ids, max_tokens=4, temperature=0)
+    assert [c.text for c in by_ids.choices] == [a.choices[0].text for a in alone[:2]]
+    streamed = list(
+        client.completions.create(model=SMOL, prompt=texts, max_tokens=4, temperature=0, stream=True)
+    )
+    text = {
+        i: "".join(c.choices[0].text for c in streamed if c.choices and c.choices[0].index == i)
+        for i in range(3)
+    }
+    assert [text[i] for i in range(3)] == [a.choices[0].text for a in alone]

@@ -108,6 +108,8 @@ def rewrite(document: dict[str, Any], limits: Limits, api_key: bool, vocab_size:
     prompt = components.get("CompletionRequest", {}).get("properties", {}).get("prompt", {})
     for form in prompt.get("anyOf", []):
         items = form.get("items", {})
+        if items.get("type") == "array":  # a batch of token-id prompts
+            items = items.get("items", {})
         if form.get("type") == "array" and items.get("type") == "integer" and vocab_size:
             items["maximum"] = vocab_size - 1
             items["description"] = "a token id, below the model's vocabulary (`vocab_size` in /v1/models)"

@@ -178,11 +178,16 @@ class _Sampling(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=MAX_COUNT)]], Field(min_length=1)]
+MAX_PROMPTS = 32  # prompts in one completions request (a batch)
+
+
 class CompletionRequest(_Sampling):
     prompt: (
         Annotated[str, Field(min_length=1)]
-        | Annotated[list[Annotated[int, Field(ge=0, le=MAX_COUNT)]], Field(min_length=1)]
-        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+        | TokenIds
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     )
 
     @field_validator("prompt", mode="wrap")
@@ -193,15 +198,17 @@ class CompletionRequest(_Sampling):
             return handler(value)
         except ValidationError:
             raise ValueError(
-                "must be a non-empty string, a non-empty list of token ids (integers >= 0), "
-                "or a list holding one non-empty string"
+                "must be a non-empty string, a non-empty list of token ids (integers >= 0), or a list of "
+                f"1 to {MAX_PROMPTS} of either (a batch: each prompt gets its n choices)"
             ) from None
 
     @property
-    def prompt_input(self) -> str | list[int]:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            return self.prompt[0]  # type: ignore[return-value]
-        return self.prompt  # type: ignore[return-value]
+    def prompt_inputs(self) -> list[str | list[int]]:
+        """The prompts of the request, one or a batch."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
 
 
 class TextPart(_Strict):

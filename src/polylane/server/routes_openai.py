@@ -105,7 +105,8 @@ async def _serve(
     model = state.resolve(body.model)
     if body.n > limits.max_n:
         raise ApiError(400, f"n: at most {limits.max_n} choices per request", param="n")
-    prompt_ids = await run_in_threadpool(_prompt_ids, state, model, body, chat)
+    prompts = await run_in_threadpool(_prompt_ids, state, model, body, chat)
+    prompt_ids = max(prompts, key=len)  # the longest prompt bounds max_tokens
     served = state.engine.models[model]
     requested = body.requested_max_tokens if chat else body.max_tokens  # type: ignore[union-attr]
     limit = served.max_request_tokens
@@ -131,7 +132,7 @@ async def _serve(
             param=name,
             code="context_length_exceeded",
         )
-    reserved = body.n * (len(prompt_ids) + max_tokens)
+    reserved = body.n * sum(len(prompt) + max_tokens for prompt in prompts)
     if reserved > state.admission.max_tokens:  # could never be admitted, however long one waits
         raise ApiError(
             400,
@@ -145,7 +146,7 @@ async def _serve(
     except QueueFullError as error:
         raise ApiError(429, str(error), code="queue_full", headers={"Retry-After": "1"}) from None
     try:
-        handles = await run_in_threadpool(_submit, state, model, prompt_ids, body, max_tokens)
+        handles = await run_in_threadpool(_submit, state, model, prompts, body, max_tokens)
     except BaseException:
         state.admission.release(reserved)
         raise
@@ -174,7 +175,7 @@ async def _serve(
             if not handle.done:
                 handle.abort()
         state.admission.release(reserved)
-        request.state.polylane_access = _access_fields(model, len(prompt_ids), handles)
+        request.state.polylane_access = _access_fields(model, sum(map(len, prompts)), handles)
 
     if body.stream:
         events = _events(handles)
@@ -203,15 +204,25 @@ async def _serve(
         finish()
     if completions is None:  # the client went away; nobody reads a response
         return JSONResponse(protocol.error_body_gone(), status_code=499)
-    state.metrics.served(completions)
+    usage = _account(state, completions, body.n)
     for completion in completions:
         if completion.finish_reason not in protocol.FINISH_REASONS:
             raise _failure_error(completion.finish_reason, completion.error, state, deadline_s)
     choices = [protocol.choice(i, c.text, c.finish_reason, chat) for i, c in enumerate(completions)]
-    usage = protocol.usage(
-        len(prompt_ids), sum(len(c.token_ids) for c in completions), completions[0].cached_tokens
-    )
     return protocol.completion_body(request_id, body.model, choices, usage, chat)
+
+
+def _account(state: ServerState, completions: list[Completion], n: int) -> dict[str, Any]:
+    """A request's `usage` over its prompts (`n` choices each: a prompt counted once), and the
+    same counted in /metrics."""
+    groups = [completions[i : i + n] for i in range(0, len(completions), n)]
+    for group in groups:
+        state.metrics.served(group)
+    return protocol.usage(
+        sum(group[0].prompt_tokens for group in groups),
+        sum(len(c.token_ids) for c in completions),
+        sum(group[0].cached_tokens for group in groups),
+    )
 
 
 def _access_fields(model: str, prompt_tokens: int, handles: list[RequestHandle]) -> dict[str, Any]:
@@ -281,11 +292,12 @@ def _failure_error(reason: str | None, error: str | None, state: ServerState, de
     return ApiError(503, message, code=code, headers={"Retry-After": str(retry)})
 
 
-def _prompt_ids(state: ServerState, model: str, body: Any, chat: bool) -> list[int]:
+def _prompt_ids(state: ServerState, model: str, body: Any, chat: bool) -> list[list[int]]:
+    """The request's prompts as token ids: a chat's one, a completion's one or several (a batch)."""
     try:
         if chat:
-            return state.engine.prompt_ids(model, messages=body.plain_messages())
-        return state.engine.prompt_ids(model, body.prompt_input)
+            return [state.engine.prompt_ids(model, messages=body.plain_messages())]
+        return [state.engine.prompt_ids(model, prompt) for prompt in body.prompt_inputs]
     except ChatTemplateError as error:
         if state.engine.models[model].tokenizer.has_chat_template:  # the template refused these messages
             raise ApiError(
@@ -308,14 +320,16 @@ def _prompt_ids(state: ServerState, model: str, body: Any, chat: bool) -> list[i
 
 
 def _submit(
-    state: ServerState, model: str, prompt_ids: list[int], body: Any, max_tokens: int
+    state: ServerState, model: str, prompts: list[list[int]], body: Any, max_tokens: int
 ) -> list[RequestHandle]:
+    """`body.n` choices of each prompt, in that order (choice index = prompt × n + choice)."""
     handles: list[RequestHandle] = []
     try:
-        for index in range(body.n):
-            seed = None if body.seed is None else body.seed + index
-            params = body.sampling_params(max_tokens, state.sampling_defaults(model), seed)
-            handles.append(state.engine.submit(model, prompt_ids, params=params, priority=body.priority))
+        for prompt_ids in prompts:
+            for index in range(body.n):
+                seed = None if body.seed is None else body.seed + index
+                params = body.sampling_params(max_tokens, state.sampling_defaults(model), seed)
+                handles.append(state.engine.submit(model, prompt_ids, params=params, priority=body.priority))
     except RequestTooLongError as error:
         raise ApiError(400, str(error), param="max_tokens", code="context_length_exceeded") from None
     except EngineDeadError as error:
@@ -323,7 +337,7 @@ def _submit(
     except ValueError as error:
         raise ApiError(400, str(error)) from None
     finally:
-        if len(handles) < body.n:
+        if len(handles) < body.n * len(prompts):
             for handle in handles:
                 handle.abort()
     return handles
@@ -441,16 +455,10 @@ async def _stream(
             if finish_reason is not None and (chat or not event.text):  # chat: an empty delta carries it
                 chunk = protocol.chunk_body(request_id, body.model, index, "", finish_reason, chat)
                 yield f"data: {json.dumps(chunk)}\n\n"
-        completions = [h.result(timeout=0) for h in handles]
-        state.metrics.served(completions)
+        usage = _account(state, [h.result(timeout=0) for h in handles], body.n)
         if error is not None:
             yield f"data: {json.dumps(error_body(503, error[0], None, error[1]))}\n\n"
         if body.include_usage:
-            usage = protocol.usage(
-                len(handles[0].prompt_ids),
-                sum(len(c.token_ids) for c in completions),
-                completions[0].cached_tokens,
-            )
             yield f"data: {json.dumps(protocol.usage_chunk(request_id, body.model, usage, chat))}\n\n"
         yield "data: [DONE]\n\n"
     finally:
