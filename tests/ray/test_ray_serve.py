@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 pytest.importorskip("ray", reason="ray is not installed: pip install 'polylane[ray]' to run tests/ray")
@@ -162,9 +163,10 @@ def _complete(server: Any, model: str, **extra: Any) -> httpx.Response:
 
 def test_health_models_and_key(ray_server: RayServer) -> None:
     with httpx.Client(base_url=ray_server.base_url, timeout=30) as anonymous:
-        health = anonymous.get("/health")
-        assert health.status_code == 200, health.text
-        assert health.json()["replicas"] == 2
+        for probe in ("/health", "/health/live", "/health/ready"):
+            health = anonymous.get(probe)
+            assert health.status_code == 200, health.text
+            assert health.json()["replicas"] == 2
         assert_error(anonymous.get("/v1/models"), 401, code="invalid_api_key")
         assert_error(
             anonymous.post("/v1/completions", json={"model": SMOL, "prompt": "x"}),
@@ -173,6 +175,9 @@ def test_health_models_and_key(ray_server: RayServer) -> None:
         )
     with ray_server.openai(timeout=60) as client:
         listed = {model.id: model.model_dump() for model in client.models.list()}
+        assert client.models.retrieve(SMOL).id == SMOL
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("no-such-model")
     assert list(listed) == list(ALL_MODELS), "every served model once, in declared order"
     for model in listed.values():
         assert {r["replica"] for r in model["replicas"]} == {r["replica"] for r in ray_server.replicas()}

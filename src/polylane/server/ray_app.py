@@ -233,6 +233,8 @@ def create_ingress_app(ingress: PolylaneIngress) -> FastAPI:
     errors.install(app)
 
     @app.get("/health", response_model=None)
+    @app.get("/health/ready", response_model=None)
+    @app.get("/health/live", response_model=None)
     async def health() -> Any:
         alive = [r for r in await ingress.reports() if r["alive"]]
         if not alive:
@@ -245,6 +247,17 @@ def create_ingress_app(ingress: PolylaneIngress) -> FastAPI:
         if not reports:
             raise ApiError(503, "no polylane replica has reported yet", code="no_replica")
         return {"object": "list", "data": aggregate_models(reports, ingress.declared_order)}
+
+    @app.get("/v1/models/{name}")
+    async def retrieve_model(name: str) -> dict[str, Any]:
+        reports = await ingress.reports()
+        canonical = next((m.name for m in config.models if name == m.name or name in m.aliases), name)
+        for model in aggregate_models(reports, ingress.declared_order):
+            if model["id"] == canonical:
+                return model
+        raise ApiError(
+            404, f"model {name[:100]!r} does not exist here", param="model", code="model_not_found"
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:
