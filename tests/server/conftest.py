@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -126,6 +128,25 @@ def start_server(
             state.engine.close()
             pytest.fail("the server did not answer /health within 60 s")
         time.sleep(0.05)
+
+
+def serve_process(args: list[str], log, cwd) -> tuple[subprocess.Popen, str]:
+    """`polylane serve ARGS --port P` as a real process writing its log to `log`; (the process, its
+    base URL) once `/health` answers 200 (the caller stops it)."""
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "polylane.cli", "serve", *args, "--port", str(port)]
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)
+    deadline = time.monotonic() + 180
+    while True:
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            pytest.fail(f"polylane serve did not become ready (status {server.poll()})")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return server, base
+        except httpx.TransportError:
+            time.sleep(0.2)
 
 
 @pytest.fixture(scope="session")

@@ -7,16 +7,12 @@ from __future__ import annotations
 import json
 import logging
 import signal
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
 from tests.conftest import fetch_or_skip
-from tests.server.conftest import SMOL, start_server
+from tests.server.conftest import SMOL, serve_process, start_server
 
 
 @pytest.fixture(scope="module")
@@ -58,37 +54,12 @@ def test_each_request_gets_one_access_line_with_its_usage(live, caplog):
 
 def test_json_logs_are_one_object_per_line_from_start_to_stop(tmp_path):
     fetch_or_skip(SMOL)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     log = tmp_path / "serve.log"
-    command = [
-        sys.executable,
-        "-m",
-        "polylane.cli",
-        "serve",
-        SMOL,
-        "--port",
-        str(port),
-        "--log-format",
-        "json",
-    ]
     with log.open("w") as sink:
-        server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, cwd=tmp_path)
+        server, base = serve_process([SMOL, "--log-format", "json"], sink, tmp_path)
         try:
-            deadline = time.monotonic() + 180
-            while True:
-                assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.2)
             body = {"model": SMOL, "prompt": "Hi", "max_tokens": 2}
-            assert (
-                httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120).status_code
-                == 200
-            )
+            assert httpx.post(f"{base}/v1/completions", json=body, timeout=120).status_code == 200
         finally:
             server.send_signal(signal.SIGTERM)
             assert server.wait(timeout=60) == 0

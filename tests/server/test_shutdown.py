@@ -5,24 +5,15 @@ word), and the process exits with status 0."""
 from __future__ import annotations
 
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 
 from tests.conftest import fetch_or_skip
-from tests.server.conftest import SMOL, sse_events
+from tests.server.conftest import SMOL, serve_process, sse_events
 
 DRAIN_S = 2.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _stream(base: str, max_tokens: int, events: list, started: threading.Event) -> None:
@@ -37,22 +28,10 @@ def _stream(base: str, max_tokens: int, events: list, started: threading.Event) 
 
 def test_sigterm_drains_for_the_timeout_then_ends_the_rest_and_exits_0(tmp_path):
     fetch_or_skip(SMOL)
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
-    command = [sys.executable, "-m", "polylane.cli", "serve", SMOL, "--port", str(port)]
-    command += ["--drain-timeout", str(DRAIN_S)]
     with log.open("w") as sink:
-        server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, cwd=tmp_path)
+        server, base = serve_process([SMOL, "--drain-timeout", str(DRAIN_S)], sink, tmp_path)
         try:
-            deadline = time.monotonic() + 180
-            while True:
-                assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                try:
-                    if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.2)
             long_events: list = []
             short_events: list = []
             long_started, short_started = threading.Event(), threading.Event()

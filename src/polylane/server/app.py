@@ -114,6 +114,14 @@ class GuardMiddleware:
         await response(scope, receive, send)
 
 
+def add_guard(app: FastAPI, api_key: str | None, max_body_bytes: int, metrics_public: bool) -> None:
+    """GuardMiddleware on `app`: the probes open, `/metrics` too when `metrics_public`."""
+    open_routes = (*OPEN_ROUTES, "/metrics") if metrics_public else OPEN_ROUTES
+    app.add_middleware(
+        GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, open_routes=open_routes
+    )
+
+
 def create_app(state: ServerState, *, close_engine: bool = True) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -144,13 +152,7 @@ def create_app(state: ServerState, *, close_engine: bool = True) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    open_routes = (*OPEN_ROUTES, "/metrics") if state.metrics_public else OPEN_ROUTES
-    app.add_middleware(
-        GuardMiddleware,
-        api_key=state.api_key,
-        max_body_bytes=state.limits.max_body_bytes,
-        open_routes=open_routes,
-    )
+    add_guard(app, state.api_key, state.limits.max_body_bytes, state.metrics_public)
     if state.allowed_origins:  # outside the guard: a browser's preflight carries no API key
         app.add_middleware(
             CORSMiddleware,

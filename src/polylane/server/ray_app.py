@@ -43,7 +43,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from polylane.server import errors
-from polylane.server.app import OPEN_ROUTES, GuardMiddleware
+from polylane.server.app import add_guard
 from polylane.server.config import ServerConfig
 from polylane.server.errors import ApiError, error_body, error_response
 from polylane.server.ray_replica import PolylaneReplica, get_directory
@@ -277,13 +277,7 @@ def create_ingress_app(ingress: PolylaneIngress) -> FastAPI:
     async def forward(request: Request) -> Response:
         return await ingress.forward(request)
 
-    open_routes = (*OPEN_ROUTES, "/metrics") if config.metrics_public else OPEN_ROUTES
-    app.add_middleware(
-        GuardMiddleware,
-        api_key=config.api_key,
-        max_body_bytes=config.limits.max_body_bytes,
-        open_routes=open_routes,
-    )
+    add_guard(app, config.api_key, config.limits.max_body_bytes, config.metrics_public)
     return app
 
 
