@@ -19,7 +19,7 @@ import sys
 from polylane import catalog
 from polylane.cli_generate import DEVICE_HELP
 from polylane.server.logs import FORMATS, LEVELS
-from polylane.types import WEIGHT_DTYPES, LoadError
+from polylane.types import SAMPLING_FIELDS, WEIGHT_DTYPES, LoadError
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -106,7 +106,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     known = {
         "budget", "api_key", "host", "port", "lane_policy", "models", "device", "threads", "strict",
         "drain_timeout", "max_queue_seconds", "log_level", "log_format", "metrics_public", "allowed_origins",
-        *server_config.SAMPLING_FIELDS,
+        *SAMPLING_FIELDS,
     }  # fmt: skip
     unknown = set(file_data) - known
     if unknown:

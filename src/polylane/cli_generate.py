@@ -17,7 +17,14 @@ import time
 from typing import Any
 
 from polylane import catalog
-from polylane.types import DEFAULT_DTYPE, WEIGHT_DTYPES
+from polylane.types import (
+    DEFAULT_DTYPE,
+    SAMPLING_FIELDS,
+    SAMPLING_OFF,
+    WEIGHT_DTYPES,
+    SamplingDefaults,
+    SamplingParams,
+)
 
 DEVICE_HELP = "where models run: auto (default: CUDA when torch sees a GPU, else CPU), cpu, cuda or cuda:N"
 CHAT_KV_TOKENS = 4096  # a conversation's whole history, prompt and replies
@@ -78,24 +85,10 @@ def _load(args: argparse.Namespace, name: str) -> Any:
     return load_model(name, args.dtype, device=args.device)
 
 
-def _params(args: argparse.Namespace, defaults: Any, max_tokens: int) -> Any:
-    """SamplingParams from the flags, each unset one from `defaults` (a SamplingDefaults) or off."""
-    from polylane.types import SamplingParams
-
-    def chosen(name: str, off: float) -> Any:
-        value = getattr(args, name)
-        if value is not None:
-            return value
-        return getattr(defaults, name) if defaults is not None else off
-
-    return SamplingParams(
-        temperature=chosen("temperature", 0.0),
-        top_k=chosen("top_k", 0),
-        top_p=chosen("top_p", 1.0),
-        min_p=chosen("min_p", 0.0),
-        seed=args.seed,
-        max_tokens=max_tokens,
-    )
+def _params(args: argparse.Namespace, defaults: SamplingDefaults, max_tokens: int) -> SamplingParams:
+    """SamplingParams from the flags, each sampling flag left unset from `defaults`."""
+    flags = {name: getattr(args, name) for name in SAMPLING_FIELDS}
+    return defaults.params(**flags, seed=args.seed, max_tokens=max_tokens)
 
 
 def _stream(generator: Any, prompt_ids: list[int], params: Any) -> tuple[Any, str]:
@@ -138,7 +131,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         except ChatTemplateError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
-    params = _params(args, None, args.max_tokens)
+    params = _params(args, SAMPLING_OFF, args.max_tokens)
     block_size = 16
     total = len(prompt_ids) + params.max_tokens  # the Generator refuses totals over the context
     generator = Generator(model, num_blocks=-(-total // block_size), block_size=block_size)

@@ -24,6 +24,9 @@ class LoadError(RuntimeError):
     `runtime.loader`, so that the command line catches it without importing torch.)"""
 
 
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")  # what SamplingDefaults fills in
+
+
 @dataclass(frozen=True)
 class SamplingDefaults:
     """What a request that leaves temperature, top-k, top-p or min-p unset gets: the model's own
@@ -42,9 +45,21 @@ class SamplingDefaults:
         changed = {name: value for name, value in values.items() if value is not None}
         if not changed:
             return self
-        merged = {**self.__dict__, **changed, "source": source or self.source}
-        SamplingParams(**{k: merged[k] for k in ("temperature", "top_k", "top_p", "min_p")})  # the ranges
-        return SamplingDefaults(**merged)
+        merged = SamplingDefaults(**{**self.__dict__, **changed, "source": source or self.source})
+        merged.params()  # checked as a request's
+        return merged
+
+    def params(self, **fields: object) -> SamplingParams:
+        """SamplingParams from `fields` (SamplingParams' own), each of SAMPLING_FIELDS that is None or
+        missing taken from these defaults."""
+        for name in SAMPLING_FIELDS:
+            if fields.get(name) is None:
+                fields[name] = getattr(self, name)
+        return SamplingParams(**fields)  # type: ignore[arg-type]
+
+
+# Every sampling filter off: greedy (`polylane generate`'s default).
+SAMPLING_OFF = SamplingDefaults(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, source="off")
 
 
 @dataclass(frozen=True)

@@ -158,6 +158,13 @@ def shared_server() -> Iterator[LiveServer]:
         live.stop()
 
 
+@pytest.fixture(scope="module")
+def shared_client(shared_server: LiveServer) -> Iterator[Any]:
+    """The official `openai` client on the shared server."""
+    with shared_server.openai(timeout=120) as client:
+        yield client
+
+
 # ---------------------------------------------------------------------- checks
 
 

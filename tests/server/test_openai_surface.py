@@ -11,46 +11,35 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import SMOL, LiveServer, start_server
+from tests.server.conftest import SMOL, start_server
 
 
-@pytest.fixture(scope="module")
-def live(shared_server: LiveServer) -> LiveServer:
-    return shared_server
-
-
-@pytest.fixture(scope="module")
-def client(live: LiveServer):
-    with live.openai(timeout=120) as client:
-        yield client
-
-
-def test_models_retrieve_answers_one_model_and_404_for_an_unknown_one(client):
-    model = client.models.retrieve(SMOL)
+def test_models_retrieve_answers_one_model_and_404_for_an_unknown_one(shared_client):
+    model = shared_client.models.retrieve(SMOL)
     assert model.id == SMOL and model.object == "model"
-    listed = {m.id: m for m in client.models.list()}
+    listed = {m.id: m for m in shared_client.models.list()}
     assert model.model_dump() == listed[SMOL].model_dump() | {
         "idle_seconds": model.model_dump()["idle_seconds"]
     }
     with pytest.raises(openai.NotFoundError) as raised:
-        client.models.retrieve("no-such-model")
+        shared_client.models.retrieve("no-such-model")
     assert raised.value.body["code"] == "model_not_found"
 
 
-def test_every_response_says_its_system_fingerprint(client):
-    done = client.completions.create(model=SMOL, prompt="Hi", max_tokens=2, temperature=0)
+def test_every_response_says_its_system_fingerprint(shared_client):
+    done = shared_client.completions.create(model=SMOL, prompt="Hi", max_tokens=2, temperature=0)
     assert re.fullmatch(r"fp_polylane_[\w.+-]+", done.system_fingerprint)
     chunks = list(
-        client.completions.create(model=SMOL, prompt="Hi", max_tokens=2, temperature=0, stream=True)
+        shared_client.completions.create(model=SMOL, prompt="Hi", max_tokens=2, temperature=0, stream=True)
     )
     assert chunks and all(c.system_fingerprint == done.system_fingerprint for c in chunks)
 
 
-def test_a_streamed_chat_has_openais_chunk_shape(client):
+def test_a_streamed_chat_has_openais_chunk_shape(shared_client):
     messages = [{"role": "user", "content": "Name a primary colour."}]
-    reply = client.chat.completions.create(model=SMOL, messages=messages, max_tokens=6, temperature=0)
+    reply = shared_client.chat.completions.create(model=SMOL, messages=messages, max_tokens=6, temperature=0)
     chunks = list(
-        client.chat.completions.create(
+        shared_client.chat.completions.create(
             model=SMOL, messages=messages, max_tokens=6, temperature=0, stream=True
         )
     )
@@ -63,10 +52,10 @@ def test_a_streamed_chat_has_openais_chunk_shape(client):
     assert "".join(d.delta.content for d in middle) == reply.choices[0].message.content
 
 
-def test_the_context_length_error_says_the_limit_and_the_request(client, live):
-    limit = live.engine.models[SMOL].max_request_tokens
+def test_the_context_length_error_says_the_limit_and_the_request(shared_client, shared_server):
+    limit = shared_server.engine.models[SMOL].max_request_tokens
     with pytest.raises(openai.BadRequestError) as raised:
-        client.completions.create(model=SMOL, prompt="Hi", max_tokens=limit)
+        shared_client.completions.create(model=SMOL, prompt="Hi", max_tokens=limit)
     message = raised.value.body["message"]
     assert f"maximum context length is {limit} tokens" in message, message
     assert re.search(
@@ -107,29 +96,31 @@ def test_cors_is_off_by_default_and_answers_the_origins_allowed():
         server.stop()
 
 
-def test_without_allowed_origins_no_cors_header(live):
+def test_without_allowed_origins_no_cors_header(shared_server):
     response = httpx.get(
-        f"{live.base_url}/v1/models", headers={"Origin": "http://localhost:3000"}, timeout=30
+        f"{shared_server.base_url}/v1/models", headers={"Origin": "http://localhost:3000"}, timeout=30
     )
     assert response.status_code == 200 and "access-control-allow-origin" not in response.headers
 
 
-def test_a_batch_of_prompts_gets_n_choices_each_in_order(client, live):
+def test_a_batch_of_prompts_gets_n_choices_each_in_order(shared_client, shared_server):
     """`prompt` as a list of strings or of token lists: choice index = prompt × n + choice, each
     choice what its prompt alone gives (greedy), usage summed over the prompts."""
     texts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
-    alone = [client.completions.create(model=SMOL, prompt=t, max_tokens=4, temperature=0) for t in texts]
-    batch = client.completions.create(model=SMOL, prompt=texts, max_tokens=4, temperature=0, n=2)
+    alone = [
+        shared_client.completions.create(model=SMOL, prompt=t, max_tokens=4, temperature=0) for t in texts
+    ]
+    batch = shared_client.completions.create(model=SMOL, prompt=texts, max_tokens=4, temperature=0, n=2)
     assert [c.index for c in batch.choices] == list(range(6))
     assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone for _ in range(2)]
     assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
     assert batch.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone) * 2
-    tokenizer = live.engine.models[SMOL].tokenizer
+    tokenizer = shared_server.engine.models[SMOL].tokenizer
     ids = [tokenizer.encode(t) for t in texts[:2]]
-    by_ids = client.completions.create(model=SMOL, prompt=ids, max_tokens=4, temperature=0)
+    by_ids = shared_client.completions.create(model=SMOL, prompt=ids, max_tokens=4, temperature=0)
     assert [c.text for c in by_ids.choices] == [a.choices[0].text for a in alone[:2]]
     streamed = list(
-        client.completions.create(model=SMOL, prompt=texts, max_tokens=4, temperature=0, stream=True)
+        shared_client.completions.create(model=SMOL, prompt=texts, max_tokens=4, temperature=0, stream=True)
     )
     text = {
         i: "".join(c.choices[0].text for c in streamed if c.choices and c.choices[0].index == i)

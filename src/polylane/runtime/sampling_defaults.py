@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from polylane.runtime.loader import open_gguf
-from polylane.types import SamplingDefaults
+from polylane.types import SAMPLING_FIELDS, SamplingDefaults
 
 GGUF_KEYS = {
     "temperature": "general.sampling.temp",
@@ -39,7 +39,9 @@ def read_sampling_defaults(path: str | Path, format: str) -> SamplingDefaults:
             config = json.loads(config_file.read_text()) if config_file.is_file() else {}
         except (OSError, ValueError):
             config = {}  # an unreadable generation config: the documented defaults
-        found = {field: config[field] for field in GGUF_KEYS if isinstance(config.get(field), int | float)}
+        found = {
+            field: config[field] for field in SAMPLING_FIELDS if isinstance(config.get(field), int | float)
+        }
         if config.get("do_sample") is False:
             found["temperature"] = 0.0
         where = "generation_config.json"

@@ -2,8 +2,8 @@
 
 What this module owns: building the app (routes, error handlers), the two guards every request
 passes first (the API key, compared in constant time, on every route but the health probes, and
-`/metrics` with `--metrics-public`; the
-body size limit, 413 before the body is parsed, whether or not the client sent a Content-Length),
+`/metrics` with `--metrics-public`; the body size limit, 413 before the body is parsed, whether or
+not the client sent a Content-Length),
 the probes and `/metrics`, and starting the server: the port is bound before anything loads (a port
 in use fails at once), the first model loads while the server already answers (`/health` 503
 "loading" meanwhile), and a first model that cannot load stops the server with its reason.
@@ -49,12 +49,8 @@ class GuardMiddleware:
     def __init__(
         self, app: ASGIApp, api_key: str | None, max_body_bytes: int, open_routes: tuple[str, ...]
     ) -> None:
-        self.app, self.api_key, self.max_body_bytes, self.open_routes = (
-            app,
-            api_key,
-            max_body_bytes,
-            open_routes,
-        )
+        self.app, self.api_key = app, api_key
+        self.max_body_bytes, self.open_routes = max_body_bytes, open_routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -205,11 +201,16 @@ def build_state(config: ServerConfig, *, quiet: bool = False) -> ServerState:
     except BaseException:
         engine.close()
         raise
-    state = ServerState(engine, config.limits, config.api_key, aliases, unavailable)
-    state.sampling = dict(config.sampling)
-    state.metrics_public = config.metrics_public
-    state.allowed_origins = config.allowed_origins
-    return state
+    return ServerState(
+        engine,
+        config.limits,
+        config.api_key,
+        aliases,
+        unavailable,
+        sampling=dict(config.sampling),
+        allowed_origins=config.allowed_origins,
+        metrics_public=config.metrics_public,
+    )
 
 
 class StartError(ValueError):

@@ -51,7 +51,7 @@ from polylane.policy.spec_control import SpeculationConfig
 from polylane.runtime.residency import DEFAULT_KV_TOKENS
 from polylane.runtime.siblings import SiblingError, SiblingSpec, ensure_sibling, sibling_path
 from polylane.sizes import parse_bytes
-from polylane.types import DEFAULT_DTYPE, WEIGHT_DTYPES, SamplingDefaults
+from polylane.types import DEFAULT_DTYPE, SAMPLING_FIELDS, WEIGHT_DTYPES, SamplingDefaults
 
 
 class ConfigError(ValueError):
@@ -102,9 +102,6 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # CORS origins (serve --allowed-origins; "*" for any)
     log_level: str = "info"  # polylane's and uvicorn's loggers (server.logs)
     log_format: str = "text"  # or "json": one object per line
-
-
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")
 
 
 def sampling_overrides(flags: dict[str, object], file_data: dict[str, object]) -> dict[str, float | int]:

@@ -156,16 +156,11 @@ class _Sampling(_Strict):
         self, max_tokens: int, defaults: SamplingDefaults, seed: int | None = None
     ) -> SamplingParams:
         """The request's sampling, each field it leaves unset taken from `defaults`."""
-
-        def chosen(name: str) -> Any:
-            value = getattr(self, name)
-            return getattr(defaults, name) if value is None else value
-
-        return SamplingParams(
-            temperature=chosen("temperature"),
-            top_k=max(0, chosen("top_k")),
-            top_p=chosen("top_p"),
-            min_p=chosen("min_p"),
+        return defaults.params(
+            temperature=self.temperature,
+            top_k=None if self.top_k is None else max(0, self.top_k),
+            top_p=self.top_p,
+            min_p=self.min_p,
             seed=self.seed if seed is None else seed,
             max_tokens=max_tokens,
             stop=tuple(self.stop or ()),

@@ -106,17 +106,17 @@ async def _serve(
     if body.n > limits.max_n:
         raise ApiError(400, f"n: at most {limits.max_n} choices per request", param="n")
     prompts = await run_in_threadpool(_prompt_ids, state, model, body, chat)
-    prompt_ids = max(prompts, key=len)  # the longest prompt bounds max_tokens
+    longest = len(max(prompts, key=len))  # the longest prompt bounds max_tokens
     served = state.engine.models[model]
     requested = body.requested_max_tokens if chat else body.max_tokens  # type: ignore[union-attr]
     limit = served.max_request_tokens
-    room = limit - len(prompt_ids)
+    room = limit - longest
     where = "messages" if chat else "prompt"
     if room < 1:
         raise ApiError(
             400,
             f"This model's maximum context length is {limit} tokens. However, your {where} resulted in "
-            f"{len(prompt_ids)} tokens, with none left for the completion. Please reduce the length of "
+            f"{longest} tokens, with none left for the completion. Please reduce the length of "
             f"the {where}.",
             param=where,
             code="context_length_exceeded",
@@ -127,7 +127,7 @@ async def _serve(
         raise ApiError(
             400,
             f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the {where}, {max_tokens} in the "
+            f"{longest + max_tokens} tokens ({longest} in the {where}, {max_tokens} in the "
             f"completion). Please reduce the length of the {where} or {name}.",
             param=name,
             code="context_length_exceeded",
@@ -325,10 +325,11 @@ def _submit(
     """`body.n` choices of each prompt, in that order (choice index = prompt × n + choice)."""
     handles: list[RequestHandle] = []
     try:
+        defaults = state.sampling_defaults(model)
         for prompt_ids in prompts:
             for index in range(body.n):
                 seed = None if body.seed is None else body.seed + index
-                params = body.sampling_params(max_tokens, state.sampling_defaults(model), seed)
+                params = body.sampling_params(max_tokens, defaults, seed)
                 handles.append(state.engine.submit(model, prompt_ids, params=params, priority=body.priority))
     except RequestTooLongError as error:
         raise ApiError(400, str(error), param="max_tokens", code="context_length_exceeded") from None
