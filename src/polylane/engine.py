@@ -34,6 +34,7 @@ from polylane.policy.stop_strings import StopStringMatcher
 from polylane.runtime.cpu_load import ComputeThreads
 from polylane.runtime.detokenizer import IncrementalDetokenizer
 from polylane.runtime.digests import cached_digest
+from polylane.runtime.grammar import Constraint
 from polylane.runtime.load_thread import TransientWorker
 from polylane.runtime.loader import estimate_weight_bytes, read_config
 from polylane.runtime.residency import DEFAULT_KV_TOKENS, ModelLease, ResidencyManager
@@ -402,9 +403,12 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {needed} "
                 f"tokens exceeds the KV cache of {model!r} ({served.kv_tokens} tokens)"
             )
+        # compiled here, in the caller's thread: the first grammar of a model builds its vocabulary's
+        # index (a few hundred ms), which the engine loop must not wait on
+        constraint = Constraint(params.grammar, served.tokenizer) if params.grammar is not None else None
         with self._submit_lock:
             handle = RequestHandle(self, next(self._ids), model, prompt_ids)
-            self._inbox.put(("submit", (handle, params, priority)))
+            self._inbox.put(("submit", (handle, params, priority, constraint)))
         self._wake.set()
         return handle
 
@@ -531,8 +535,7 @@ class Engine:
             except queue.Empty:
                 return
             if kind == "submit":
-                handle, params, priority = payload
-                self._accept(handle, params, priority)
+                self._accept(*payload)
             elif kind == "abort":
                 self.scheduler.abort(*payload)  # the next plan's close ends the stream
             elif kind == "model":
@@ -540,7 +543,9 @@ class Engine:
             elif kind == "loaded":
                 self._model_loaded(*payload)
 
-    def _accept(self, handle: RequestHandle, params: SamplingParams, priority: int) -> None:
+    def _accept(
+        self, handle: RequestHandle, params: SamplingParams, priority: int, constraint: Constraint | None
+    ) -> None:
         served = self._models[handle.model]
         self._last_active[handle.model] = time.monotonic()
         self._outputs[handle.id] = _Output(
@@ -550,7 +555,7 @@ class Engine:
             StopStringMatcher(params.stop),
             served.tokenizer.stop_token_ids,
         )
-        self.runner.add(handle.id, handle.model, handle.prompt_ids, params)
+        self.runner.add(handle.id, handle.model, handle.prompt_ids, params, constraint)
         self.scheduler.add(handle.id, handle.model, len(handle.prompt_ids), priority)
         self.stats_recorder.submitted(handle.model)
 

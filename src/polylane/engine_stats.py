@@ -37,6 +37,7 @@ class ModelStats:
     prefix_matched_tokens: int = 0
     cross_model_hits: int = 0  # sequences that reused another model's prefix (shared layer band)
     cross_model_tokens: int = 0  # prompt tokens whose lower-band KV came from another model
+    forced_tokens: int = 0  # tokens a grammar forced, verified in speculative passes (jump-forward)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,8 @@ class StatsRecorder:
                 self._prefill_steps += 1
             if plan.decode_model is None or not plan.decode:
                 return
+            if result.forced_tokens:
+                self._models.setdefault(plan.decode_model, ModelStats()).forced_tokens += result.forced_tokens
             self._decode_seconds += seconds
             switched = self._last_lane not in (None, plan.decode_model)
             self._last_lane = plan.decode_model
@@ -119,7 +122,12 @@ class StatsRecorder:
         with self._lock:
             models = {
                 name: ModelStats(
-                    m.requests, dict(m.finished), m.output_tokens, list(m.ttft_seconds), list(m.tpot_seconds)
+                    m.requests,
+                    dict(m.finished),
+                    m.output_tokens,
+                    list(m.ttft_seconds),
+                    list(m.tpot_seconds),
+                    forced_tokens=m.forced_tokens,
                 )
                 for name, m in self._models.items()
             }

@@ -63,6 +63,16 @@ SAMPLING_OFF = SamplingDefaults(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, 
 
 
 @dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match (structured outputs): llguidance's serialised grammar (a
+    JSON string), and the kind of request it came from ("json_object", "json_schema", "regex",
+    "choice"). Built by `polylane.grammar_spec.grammar_for`."""
+
+    kind: str
+    grammar: str
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its next token.
 
@@ -79,6 +89,7 @@ class SamplingParams:
         one); False never speculates for this request. Output (greedy tokens, or the sampled
         distribution) is the same either way. A sampled request with a seed decodes plainly, so
         that its seed reproduces its tokens.
+    grammar: structured outputs: every token is one the grammar allows (None: free text).
     """
 
     temperature: float = 0.0
@@ -90,6 +101,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     speculation: bool | None = None
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
@@ -221,6 +233,7 @@ class StepResult:
     failed: request → error message (its KV is already let go).
     finished: request → "stop" | "length" (set by the engine: EOS, a stop string, max_tokens).
     free_blocks: model → KV blocks free or evictable after the step.
+    forced_tokens: tokens a grammar forced this step, verified with the decode batch (jump-forward).
     """
 
     step: int
@@ -232,3 +245,4 @@ class StepResult:
     failed: dict[int, str] = field(default_factory=dict)
     finished: dict[int, str] = field(default_factory=dict)
     free_blocks: dict[str, int] = field(default_factory=dict)
+    forced_tokens: int = 0

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 
 import pytest
 
 from polylane.bench import workloads
-from polylane.bench.workloads import BenchRequest, Phase, WorkloadOptions, build
+from polylane.bench.workloads import STRUCTURED_SCHEMA, BenchRequest, Phase, WorkloadOptions, build
 
 MODELS = ("a", "b", "c")
 
@@ -105,6 +106,18 @@ def test_spec_has_one_phase_per_category_all_to_the_target() -> None:
     assert [p.name for p in chosen.phases] == ["repetitive", "creative"]
     with pytest.raises(ValueError):
         WorkloadOptions(models=("t",), categories=("no-such-kind",))
+
+
+def test_structured_asks_the_same_prompts_free_and_under_a_schema() -> None:
+    workload = build("structured", WorkloadOptions(models=("target", "other"), requests=3))
+    free, constrained = workload.phases
+    assert (free.name, constrained.name) == ("free", "json")
+    assert all(r.model == "target" and not r.ignore_eos for p in workload.phases for r in p.requests)
+    assert all(r.json_schema is None for r in free.requests)
+    assert all(json.loads(r.json_schema) == STRUCTURED_SCHEMA for r in constrained.requests)
+    prompt = [r.user.split(") ", 1)[1] for r in free.requests]
+    assert prompt == [r.user.split(") ", 1)[1] for r in constrained.requests]  # the same prompts
+    assert not {r.user for r in free.requests} & {r.user for r in constrained.requests}  # other tags
 
 
 def test_cross_model_shared_prefix_prefills_on_the_provider_first() -> None:

@@ -27,6 +27,7 @@ DEFAULT_MODELS = {
     "mix": SMALL_MODELS,
     "shared-prefix": (catalog.DEFAULT_MODEL,),
     "spec": (catalog.DEFAULT_MODEL,),
+    "structured": (catalog.DEFAULT_MODEL,),
     # the provider, its sibling sharing layers [0, 15) of SmolLM2's 30, and an alias (every layer)
     "cross-model": (catalog.DEFAULT_MODEL, "sibling=sibling:15", f"alias={catalog.DEFAULT_MODEL}"),
 }
@@ -270,7 +271,7 @@ def speculation_setting(words: list[str] | None, modes: list[str] | None, worklo
 
     value: Any
     if not words:
-        value = True if workload == "spec" else None
+        value = True if workload in ("spec", "structured") else None
     elif len(words) == 1 and words[0].lstrip().startswith("{"):
         value = json.loads(words[0])
     elif len(words) == 1 and words[0].lower() in ("true", "on", "yes"):

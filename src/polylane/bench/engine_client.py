@@ -22,6 +22,7 @@ the share skipped (from the runner's `LayerShare`, where it exposes them).
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from polylane.bench.metrics import EngineCounters, RequestTimeline, SpeculationC
 from polylane.bench.replay import Clock, error_timeline
 from polylane.bench.workloads import BenchRequest, document
 from polylane.engine import Engine, EngineConfig, RequestHandle
+from polylane.grammar_spec import grammar_for
 from polylane.policy.scheduler import SchedulerConfig
 from polylane.runtime.residency import ResidencyManager
 from polylane.types import DEFAULT_DTYPE, SamplingParams
@@ -149,8 +151,14 @@ class EngineClient:
 
     async def send(self, request: BenchRequest, now: Clock) -> RequestTimeline:
         sent = now()
-        params = SamplingParams(max_tokens=request.max_tokens, ignore_eos=request.ignore_eos)
         try:
+            params = SamplingParams(
+                max_tokens=request.max_tokens,
+                ignore_eos=request.ignore_eos,
+                grammar=grammar_for("json_schema", json.loads(request.json_schema))
+                if request.json_schema
+                else None,
+            )
             handle = await asyncio.get_running_loop().run_in_executor(
                 self._submitter, self._submit, request, params
             )

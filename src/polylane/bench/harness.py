@@ -41,7 +41,7 @@ PRIMARY_METRIC = {
 def primary_metric(phase: str, workload: str = "", cross_model: bool = False) -> str:
     """The key of the phase's primary metric: its own for the single phases, decode tokens/s per
     stream in spec, TTFT p50 in the cross-model shared-prefix workload, throughput for the rest."""
-    if workload == "spec":
+    if workload in ("spec", "structured"):
         return "stream_decode_tokens_per_s"
     if cross_model:
         return "ttft_p50_s"

@@ -17,6 +17,7 @@ part of the report stays empty.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -64,6 +65,9 @@ class HttpClient:
         }
         if request.ignore_eos:
             common["extra_body"] = {"ignore_eos": True}
+        if request.json_schema:
+            schema = {"name": "bench", "schema": json.loads(request.json_schema), "strict": True}
+            common["response_format"] = {"type": "json_schema", "json_schema": schema}
         chat = request.chat and self.chat_models.get(request.model, True)
         if chat:
             stream = await self.client.chat.completions.create(messages=request.messages(), **common)

@@ -112,6 +112,10 @@ class LlamaCppRunner:
         sent = now()
         if len(prompt) + request.max_tokens > CONTEXT_TOKENS:
             return _failed(request, sent, len(prompt), f"prompt + max_tokens exceeds {CONTEXT_TOKENS}")
+        if request.json_schema:
+            return _failed(
+                request, sent, len(prompt), "structured outputs are not measured on llama.cpp here"
+            )
         loaded.llm.reset()
         first = last = None
         count, reason = 0, "length"

@@ -69,6 +69,7 @@ DEFAULT_BASELINES: dict[str, tuple[str, ...]] = {
     "mix": ("plain", "per-process"),
     "shared-prefix": ("plain",),
     "spec": ("plain", "transformers-assisted", "transformers-lookup"),
+    "structured": ("plain",),
 }
 
 

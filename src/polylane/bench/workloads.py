@@ -26,6 +26,11 @@ Workloads:
   from the provider's cache) and one that no model has seen (`cold`: the same notes under another
   reference tag, so the same length but no cached block in common), in alternating order so drift
   falls on both alike.
+- `structured`: structured outputs. Extraction prompts to the first model, one at a time, to the
+  end of sequence: phase `free` as they are, phase `json` with a JSON schema the output must match
+  (`STRUCTURED_SCHEMA`, sent as `response_format`); the same prompts under other reference tags, so
+  the constrained phase finds nothing of the free one in a prefix cache. Run beside `plain`
+  (speculation off), it gives tokens/s constrained vs free, with and without speculation.
 - `spec`: one phase per prompt category (`categories`; default code, chat and extraction; also
   code-edit, repetitive, creative, summarisation), all requests to the first model (the target;
   any other model is served only to draft for it), one at a time, stopping at end of sequence
@@ -47,7 +52,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-WORKLOADS = ("single", "mix", "shared-prefix", "spec")
+WORKLOADS = ("single", "mix", "shared-prefix", "spec", "structured")
 MIX_CATEGORIES = ("chat", "code", "extraction", "summarisation")
 SPEC_CATEGORIES = ("code", "chat", "extraction")  # issue 8's list; drafting pays most on extraction
 PROMPT_CATEGORIES = ("chat", "code", "extraction", "summarisation", "code-edit", "repetitive", "creative")
@@ -93,6 +98,7 @@ class BenchRequest:
     system: str | None = None
     chat: bool = True
     ignore_eos: bool = True
+    json_schema: str | None = None  # structured outputs: the schema the output must match (JSON text)
 
     def messages(self) -> list[dict[str, str]]:
         system = [{"role": "system", "content": self.system}] if self.system else []
@@ -223,6 +229,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "mix": {"requests": 48, "max_tokens": 48, "concurrency": 8, "rate": 1.0},
     "shared-prefix": {"requests": 24, "max_tokens": 32, "concurrency": 4, "rate": 1.0},
     "spec": {"requests": 4, "max_tokens": 64, "concurrency": 1, "rate": 0.0},
+    "structured": {"requests": 4, "max_tokens": 128, "concurrency": 1, "rate": 0.0},
     "cross-model": {"requests": 3, "max_tokens": 1, "concurrency": 1, "rate": 0.0},
 }
 
@@ -261,7 +268,8 @@ def build(name: str, options: WorkloadOptions, repeat: int = 0) -> Workload:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     options = options.resolved(name)
     rng = random.Random(f"{name}:{options.seed}:{repeat}")
-    builder = {"single": _single, "mix": _mix, "shared-prefix": _shared_prefix, "spec": _spec}[name]
+    builders = {"single": _single, "mix": _mix, "shared-prefix": _shared_prefix, "spec": _spec}
+    builder = builders.get(name, _structured)
     phases = builder(options, rng, repeat)
     if options.cpu_hog:
         # every phase idle, then each again under load with other prompts (nothing cached by the idle
@@ -478,6 +486,52 @@ def _spec(options: WorkloadOptions, rng: random.Random, repeat: int) -> tuple[Ph
         )
         phases.append(
             Phase(category, requests, 1, f"{_plural(count, category + ' prompt')}, one at a time, to EOS")
+        )
+    return tuple(phases)
+
+
+# What the `structured` workload's constrained phase asks for: the facts of an extraction prompt.
+STRUCTURED_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "value": {"type": "string"}},
+                "required": ["name", "value"],
+                "additionalProperties": False,
+            },
+            "maxItems": 12,
+        },
+        "count": {"type": "integer", "minimum": 0},
+    },
+    "required": ["items", "count"],
+    "additionalProperties": False,
+}
+
+
+def _structured(options: WorkloadOptions, rng: random.Random, repeat: int) -> tuple[Phase, ...]:
+    count, max_tokens = options.requests or 1, options.max_tokens or 1
+    pool = list(load_prompts("extraction"))
+    rng.shuffle(pool)
+    phases = []
+    for name, schema in (("free", None), ("json", json.dumps(STRUCTURED_SCHEMA))):
+        requests = tuple(
+            BenchRequest(
+                f"{name}-{i}",
+                options.models[0],
+                "extraction",
+                _user(options, repeat, f"{name}-{i}", pool[i % len(pool)].prompt),
+                max_tokens,
+                ignore_eos=False,
+                json_schema=schema,
+            )
+            for i in range(count)
+        )
+        what = "free text" if schema is None else "output matching a JSON schema"
+        phases.append(
+            Phase(name, requests, 1, f"{_plural(count, 'extraction prompt')}, one at a time, {what}")
         )
     return tuple(phases)
 

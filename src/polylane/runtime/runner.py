@@ -31,6 +31,7 @@ import torch
 
 from polylane.policy.blocks import OutOfBlocksError
 from polylane.policy.lane import LaneMonitor
+from polylane.runtime.grammar import Constraint
 from polylane.runtime.layer_share import LayerShare
 from polylane.runtime.model_kv import Extend, KVSequence, ModelKV
 from polylane.runtime.residency import ModelLease
@@ -117,14 +118,23 @@ class Runner:
         for name in list(self.leases):
             self.detach(name)
 
-    def add(self, request_id: int, model: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+    def add(
+        self,
+        request_id: int,
+        model: str,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        constraint: Constraint | None = None,
+    ) -> None:
         self.requests[request_id] = RunningRequest(
             request_id,
             model,
             tuple(prompt_ids),
-            RequestSampler(params),
-            # a seeded sampled request reproduces its tokens only on plain decoding's draws
-            speculate=params.speculation is not False and (params.greedy or params.seed is None),
+            RequestSampler(params, constraint),
+            # a seeded sampled request reproduces its tokens only on plain decoding's draws; a
+            # sampled one with a grammar decodes plainly (`runtime/spec_grammar.py`)
+            speculate=params.speculation is not False
+            and (params.greedy or (params.seed is None and constraint is None)),
         )
 
     def finish(self, request_id: int, *, cache: bool) -> None:
@@ -291,7 +301,9 @@ class Runner:
             if request.id not in verify:
                 continue
             try:
+                forced_before = speculator.forced_tokens
                 new = speculator.finish(kv, request.id, row)
+                result.forced_tokens += speculator.forced_tokens - forced_before
             except Exception as error:  # its own request fails, nothing else
                 log.exception("speculative acceptance failed for request %d", request.id)
                 result.failed[request.id] = f"speculation failed: {type(error).__name__}: {error}"

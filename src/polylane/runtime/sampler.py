@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from polylane.runtime.grammar import Constraint
 from polylane.types import SamplingParams
 
 __all__ = ["RequestSampler", "sample_rows"]
@@ -43,15 +44,19 @@ _SORT_AT_MOST = 1024
 class RequestSampler:
     """Samples the tokens of one request.
 
+    A request with a grammar (`constraint`) has every token the grammar forbids masked out of
+    its logits before any filter, and its grammar takes each token it samples (`sample_rows`).
+
     Each request owns its own CPU ``torch.Generator``, seeded with ``params.seed`` when given
     and with fresh randomness otherwise, so a seeded request that sees the same sequence of
     logits draws the same sequence of tokens no matter what else shares its batch.
     """
 
-    __slots__ = ("generator", "params")
+    __slots__ = ("constraint", "generator", "params")
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, constraint: Constraint | None = None) -> None:
         self.params = params
+        self.constraint = constraint  # structured outputs: the grammar masks the logits first
         self.generator = torch.Generator(device="cpu")
         if params.seed is None:
             self.generator.seed()
@@ -191,10 +196,27 @@ def sample_rows(logits: torch.Tensor, samplers: list[RequestSampler]) -> list[in
     """One token per row of a (R, V) batch of logits; row i is sampled by ``samplers[i]``."""
     if logits.dim() != 2 or logits.shape[0] != len(samplers):
         raise ValueError(f"expected logits of shape ({len(samplers)}, V), got {tuple(logits.shape)}")
+    constrained = [i for i, s in enumerate(samplers) if s.constraint is not None]
+    if constrained:  # masked in a copy (the forward's output may be an inference tensor)
+        logits = logits.detach().to(device="cpu", dtype=torch.float32, copy=True)
+        for i in constrained:
+            samplers[i].constraint.mask(logits[i])  # type: ignore[union-attr]
     if all(s.params.greedy for s in samplers):
-        return greedy_tokens(logits)
-    rows = logits.detach().to(device="cpu", dtype=torch.float32)
-    return [s.sample(rows[i]) for i, s in enumerate(samplers)]
+        tokens = greedy_tokens(logits)
+    else:
+        rows = logits.detach().to(device="cpu", dtype=torch.float32)
+        tokens = [s.sample(rows[i]) for i, s in enumerate(samplers)]
+    # every row checked before any grammar takes its token, so a failure changes no state
+    for i in constrained:
+        if logits[i, tokens[i]] == float("-inf"):
+            raise GrammarDeadEnd(f"the grammar allows no token here (request row {i})")
+    for i in constrained:
+        samplers[i].constraint.accept(tokens[i])  # type: ignore[union-attr]
+    return tokens
+
+
+class GrammarDeadEnd(RuntimeError):
+    """A constrained row had every token masked: the grammar allows nothing next."""
 
 
 def _cpu_row(logits: torch.Tensor) -> torch.Tensor:

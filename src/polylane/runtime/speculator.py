@@ -39,9 +39,11 @@ from polylane.policy.spec_control import (
     SpeculationConfig,
 )
 from polylane.policy.spec_cost import SpecMeasurements
+from polylane.policy.spec_tree import TreeShape
 from polylane.runtime.drafters import Drafter, DraftJob, NgramDrafter
 from polylane.runtime.model_kv import Extend, KVSequence, ModelKV
 from polylane.runtime.sampler import RequestSampler
+from polylane.runtime.spec_grammar import constrain_draft, masked_rows
 from polylane.runtime.spec_verify import accept_rows, commit, verify_extend
 
 log = logging.getLogger(__name__)
@@ -64,12 +66,15 @@ class SpecRequest:
 
 @dataclass
 class _Round:
+    """One request's pending round; drafter and decision None: the grammar's forced tokens alone."""
+
     request: SpecRequest
-    drafter: Drafter
-    decision: SpecDecision
+    drafter: Drafter | None
+    decision: SpecDecision | None
     job: DraftJob
     base: int
     extend: Extend
+    forced: int = 0  # tokens at the draft's start that the grammar forces (always accepted)
 
 
 class Speculator:
@@ -91,6 +96,7 @@ class Speculator:
         self._rounds: dict[int, _Round] = {}
         self._warned: set[tuple[str, type]] = set()
         self._shadows: dict[tuple[int, str], tuple[int, list[int]]] = {}  # (request, drafter) → guess
+        self.forced_tokens = 0  # tokens a grammar forced, verified without any drafter's forward
 
     # ------------------------------------------------------------------ drafters
 
@@ -127,6 +133,7 @@ class Speculator:
                 self._shadow(request)
             return {}
         chosen: dict[str, list[tuple[SpecRequest, SpecDecision]]] = {}
+        extends: dict[int, Extend] = {}
         for request in requests:
             limit = request.max_new - 1  # the target adds one token of its own
             # a drafter whose own context would overflow cannot draft for this request, nor can
@@ -141,9 +148,10 @@ class Speculator:
             decision = self.controller.decide(request.id, available, batch_size, limit, catch_up)
             if decision is not None:
                 chosen.setdefault(decision.drafter, []).append((request, decision))
+            elif (forced := self._forced_round(request, limit)) is not None:
+                extends[request.id] = forced
             else:
                 self._shadow(request)
-        extends: dict[int, Extend] = {}
         for name, items in chosen.items():
             drafter = self.drafters[name]
             jobs = [DraftJob(r.id, r.context, d.shape, r.sampler) for r, d in items]
@@ -166,11 +174,29 @@ class Speculator:
             else:
                 self.controller.record_draft_cost(name, seconds, forwards)
             for (request, decision), job in zip(items, jobs, strict=True):
+                constraint, forced = request.sampler.constraint, 0
+                if constraint is not None:
+                    forced = constrain_draft(job, constraint, request.max_new - 1)
                 base = request.sequence.num_tokens
                 extend = verify_extend(request.sequence, request.context[-1], job.tree)
-                self._rounds[request.id] = _Round(request, drafter, decision, job, base, extend)
+                self._rounds[request.id] = _Round(request, drafter, decision, job, base, extend, forced)
                 extends[request.id] = extend
         return extends
+
+    def _forced_round(self, request: SpecRequest, limit: int) -> Extend | None:
+        """Where no drafter drafts but the request's grammar forces its next tokens: a round of
+        those tokens alone (jump-forward); its verify extend, or None."""
+        constraint = request.sampler.constraint
+        if constraint is None or limit < 1:
+            return None
+        job = DraftJob(request.id, request.context, TreeShape.chain(limit), request.sampler)
+        forced = constrain_draft(job, constraint, limit)
+        if not forced:
+            return None
+        base = request.sequence.num_tokens
+        extend = verify_extend(request.sequence, request.context[-1], job.tree)
+        self._rounds[request.id] = _Round(request, None, None, job, base, extend, forced)
+        return extend
 
     def _shadow(self, request: SpecRequest) -> None:
         """A plain step for `request`: score what each free drafter (n-gram) would have proposed
@@ -193,17 +219,25 @@ class Speculator:
         """After the verify forward: accept, commit the KV, settle the drafter; the new tokens."""
         round_ = self._rounds.pop(request_id)
         request, job = round_.request, round_.job
+        constraint = request.sampler.constraint
+        if constraint is not None:  # each row as plain constrained decoding would see it
+            rows, greedy_choices = masked_rows(rows, job.tree, constraint), None
         acceptance = accept_rows(rows, job.tree, request.sampler, job.draft_probs, greedy_choices)
         commit(kv, request.sequence, round_.base, job.tree, acceptance)
-        round_.drafter.settle(request_id, request.sequence.token_ids)
-        if not len(job.tree):  # nothing to draft (no n-gram match): a plain decode step
+        if constraint is not None:
+            constraint.accept_all(list(acceptance.tokens))
+            self.forced_tokens += min(round_.forced, acceptance.num_accepted)
+        if round_.drafter is not None:
+            round_.drafter.settle(request_id, request.sequence.token_ids)
+        drafted = len(job.tree) - round_.forced  # the forced tokens are no drafter's
+        if round_.decision is None or drafted <= 0:  # nothing drafted (no n-gram match): a plain step
             return list(acceptance.tokens)
         self.controller.record_round(
             request_id,
             round_.decision.drafter,
             round_.decision.shape,
-            len(job.tree),
-            acceptance.num_accepted,
+            drafted,
+            max(0, acceptance.num_accepted - round_.forced),
             _rank_events(job, acceptance),
             job.tree.is_chain,
         )
@@ -212,13 +246,13 @@ class Speculator:
     def round_drafter(self, request_id: int) -> str | None:
         """The drafter of the request's pending round (None: not speculating this round)."""
         round_ = self._rounds.get(request_id)
-        return round_.decision.drafter if round_ is not None else None
+        return round_.decision.drafter if round_ is not None and round_.decision is not None else None
 
     def cancel(self, request_ids: Sequence[int]) -> None:
         """The verify forward did not run: drop these drafts (the target KV was not touched)."""
         for request_id in request_ids:
             round_ = self._rounds.pop(request_id, None)
-            if round_ is not None:
+            if round_ is not None and round_.drafter is not None:
                 round_.drafter.settle(request_id, round_.request.context)
 
     def drop(self, request_id: int, *, cache: bool = False) -> None:

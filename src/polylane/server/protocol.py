@@ -3,10 +3,12 @@
 What this module owns: every field polylane accepts on `/v1/completions` and
 `/v1/chat/completions`, its type and range (a bad value is a 400 naming the field, raised by
 pydantic before anything reaches the engine), the conversion to `SamplingParams`, and the JSON
-shapes of responses and streamed chunks. Fields OpenAI defines that polylane does not implement
-(logprobs, echo, penalties, tools, a required or named tool_choice, …) and the constrained decoding
-of llama.cpp and vLLM (grammar, json_schema, guided_*) are refused with a 400 naming them rather
-than ignored.
+shapes of responses and streamed chunks. Structured outputs: OpenAI's `response_format` (`json_object`,
+`json_schema`), llama.cpp's `json_schema` and vLLM's `guided_json`, `guided_regex` and
+`guided_choice` become one `GrammarSpec` (at most one of them per request; a schema the grammar
+engine cannot enforce is a 400 naming the field and the reason). Fields OpenAI defines that
+polylane does not implement (logprobs, echo, penalties, tools, a required or named tool_choice, …)
+and llama.cpp's GBNF `grammar` are refused with a 400 naming them rather than ignored.
 Unknown extra fields are ignored, as OpenAI's own clients send some. Every model is strict: a value
 is taken only in its own JSON type (an integer where a float is asked excepted), so `"1"`, `true`
 or `1.0` is never read as the integer 1, nor `"false"` or `0` as a boolean, nor `["12", "34"]` as
@@ -16,14 +18,16 @@ token ids; each is a 400 naming the field.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from polylane.grammar_spec import GrammarError, grammar_for
 from polylane.sizes import parse_bytes
-from polylane.types import SamplingDefaults, SamplingParams
+from polylane.types import GrammarSpec, SamplingDefaults, SamplingParams
 
 # The finish reasons a client sees; the engine's others ("error", "deadline", "abort") are errors.
 FINISH_REASONS = ("stop", "length")
@@ -52,15 +56,12 @@ _UNSUPPORTED = (
     "logit_bias",
     "suffix",
     "tools",
-    "response_format",
-    # llama.cpp's and vLLM's constrained decoding (until structured outputs land)
+    # llama.cpp's GBNF and vLLM's grammar (structured outputs take JSON schemas, regexes, choices)
     "grammar",
-    "json_schema",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
     "guided_grammar",
 )
+# The fields that ask for structured outputs, and the kind of grammar each gives.
+_GRAMMAR_FIELDS = ("response_format", "json_schema", "guided_json", "guided_regex", "guided_choice")
 
 
 # What served the response, as OpenAI's `system_fingerprint`: the engine's version (responses from
@@ -76,6 +77,38 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+Choices = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1000)]
+
+
+class JsonSchemaFormat(_Strict):
+    """`response_format.json_schema`: OpenAI's named schema (`strict` is always honoured here: the
+    output matches the schema whatever it says)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> GrammarSpec | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return grammar_for("json_object")
+        if self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object ({name, schema, strict})")
+        schema = self.json_schema.schema_
+        return grammar_for("json_object") if schema is None else grammar_for("json_schema", schema)
 
 
 class _Sampling(_Strict):
@@ -113,13 +146,14 @@ class _Sampling(_Strict):
     best_of: Any = None
     suffix: Any = None
     tools: Any = None
-    response_format: Any = None
     grammar: Any = None
-    json_schema: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
     guided_grammar: Any = None
+    # Structured outputs (at most one): each is read into a GrammarSpec as it is validated.
+    response_format: ResponseFormat | None = None
+    json_schema: dict[str, Any] | None = None  # llama.cpp's
+    guided_json: dict[str, Any] | str | None = None  # vLLM's (a schema, or one as a JSON string)
+    guided_regex: Annotated[str, Field(min_length=1, max_length=10_000)] | None = None
+    guided_choice: Choices | None = None
     # Without tools, "none" and "auto" mean plain text (honoured); a required or named call is not.
     tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool | None = None  # (no tools, so no calls: honoured either way)
@@ -145,6 +179,38 @@ class _Sampling(_Strict):
             return value
         raise ValueError("is not supported by polylane (leave it unset)")
 
+    @field_validator(*_GRAMMAR_FIELDS, mode="after")
+    @classmethod
+    def _grammar(cls, value: Any, info: Any) -> Any:
+        if value is None:
+            return None
+        try:
+            if info.field_name == "response_format":
+                return value.grammar()
+            if info.field_name == "guided_regex":
+                return grammar_for("regex", value)
+            if info.field_name == "guided_choice":
+                return grammar_for("choice", value)
+            if isinstance(value, str):  # guided_json as a JSON string
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    raise ValueError("is a string that is not JSON (give the schema as an object)") from None
+            return grammar_for("json_schema", value)
+        except GrammarError as error:
+            raise ValueError(f"cannot be enforced: {error}") from None
+
+    @model_validator(mode="after")
+    def _one_grammar(self) -> _Sampling:
+        if len([f for f in _GRAMMAR_FIELDS if getattr(self, f) is not None]) > 1:
+            raise ValueError(f"at most one of {', '.join(_GRAMMAR_FIELDS)} may be set")
+        return self
+
+    @property
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The request's structured-output grammar (None: free text)."""
+        return next((getattr(self, f) for f in _GRAMMAR_FIELDS if getattr(self, f) is not None), None)
+
     @field_validator("best_of")
     @classmethod
     def _best_of(cls, value: Any) -> Any:
@@ -166,6 +232,7 @@ class _Sampling(_Strict):
             stop=tuple(self.stop or ()),
             ignore_eos=self.ignore_eos,
             speculation=self.speculation,
+            grammar=self.grammar_spec,
         )
 
     @property
