@@ -392,6 +392,12 @@ class Engine:
         priority: int,
     ) -> RequestHandle:
         prompt_ids = self.prompt_ids(model, prompt, messages)
+        vocabulary = served.tokenizer.vocab_size
+        if any(token >= vocabulary for token, _ in params.logit_bias):
+            token = next(t for t, _ in params.logit_bias if t >= vocabulary)
+            raise ValueError(
+                f"logit_bias: token id {token} is out of range for {model!r} (vocabulary of {vocabulary})"
+            )
         needed = len(prompt_ids) + params.max_tokens
         if needed > served.max_context:
             raise RequestTooLongError(

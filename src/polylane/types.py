@@ -90,6 +90,8 @@ class SamplingParams:
         distribution) is the same either way. A sampled request with a seed decodes plainly, so
         that its seed reproduces its tokens.
     grammar: structured outputs: every token is one the grammar allows (None: free text).
+    logit_bias: (token id, bias) pairs added to the logits before anything else (OpenAI's; -100
+        bans a token, +100 all but forces it).
     """
 
     temperature: float = 0.0
@@ -102,6 +104,7 @@ class SamplingParams:
     ignore_eos: bool = False
     speculation: bool | None = None
     grammar: GrammarSpec | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
@@ -118,6 +121,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if any(token < 0 or not -100.0 <= bias <= 100.0 for token, bias in self.logit_bias):
+            raise ValueError("logit_bias takes token ids >= 0 and biases in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

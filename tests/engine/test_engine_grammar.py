@@ -1,7 +1,8 @@
 """Structured outputs composed with speculation, in the engine on a real model: with drafters (the
 n-gram and the int4 twin) and the grammar's forced tokens verified in the same passes, greedy
 output under a JSON schema is exactly plain constrained greedy decoding's, the forced tokens are
-counted, and every output validates."""
+counted, and every output validates. A logit bias under speculation gives plain decoding's output
+too (the verify rows are biased as the decode rows are)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,17 @@ def test_speculation_under_a_grammar_is_plain_constrained_greedy():
             assert want.finish_reason == "stop"
             jsonschema.validate(json.loads(want.text), SCHEMA)
             assert got.token_ids == want.token_ids, f"{got.text!r} != {want.text!r}"
+        # a bias that bans the reference's most frequent token, with and without drafts
+        ids = [t for r in reference for t in r.token_ids]
+        ban = ((max(set(ids), key=ids.count), -100.0),)
+        free = [[{"role": "user", "content": "Count from one to twenty in words, separated by commas."}]]
+        want = engine.submit(
+            SMOL, messages=free[0], params=SamplingParams(max_tokens=48, logit_bias=ban, speculation=False)
+        )
+        got = engine.submit(SMOL, messages=free[0], params=SamplingParams(max_tokens=48, logit_bias=ban))
+        assert got.result(timeout=600).token_ids == want.result(timeout=600).token_ids
+        assert ban[0][0] not in got.result(timeout=0).token_ids
+
         stats = engine.stats()
         forced = stats.models[SMOL].forced_tokens
         assert forced > 0, "no grammar-forced token went through a verify pass"

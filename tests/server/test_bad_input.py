@@ -226,7 +226,7 @@ CASES = [
     Case("json_schema-not-object", CHAT, _chat(json_schema=["type", "object"]), 400, "json_schema"),
     Case("guided_choice-empty", COMPLETIONS, _c(guided_choice=[]), 400, "guided_choice"),
     Case("guided_regex-lookbehind", COMPLETIONS, _c(guided_regex="(?<=a)b"), 400, "guided_regex"),
-    Case("response_format-unknown", CHAT, _chat(response_format={"type": "xml"}), 400, "response_format.type"),
+    Case("response_format-xml", CHAT, _chat(response_format={"type": "xml"}), 400, "response_format.type"),
     # long junk in fields: refused without echoing it
     Case("junk-model", COMPLETIONS, _c(model=JUNK), 400, "model"),
     Case("junk-temperature", COMPLETIONS, _c(temperature=JUNK), 400, "temperature"),

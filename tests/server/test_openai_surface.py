@@ -1,7 +1,7 @@
 """The OpenAI surface clients rely on, with the official `openai` client: `models.retrieve`,
 `system_fingerprint`, the chunk shape of a streamed chat (a role-only first chunk, text chunks,
-an empty delta carrying `finish_reason`), OpenAI's context-length message, and CORS for browser
-clients (`--allowed-origins`, off by default)."""
+an empty delta carrying `finish_reason`), OpenAI's context-length message, CORS for browser
+clients (`--allowed-origins`, off by default), batches of prompts and `logit_bias`."""
 
 from __future__ import annotations
 
@@ -127,3 +127,30 @@ def test_a_batch_of_prompts_gets_n_choices_each_in_order(shared_client, shared_s
         for i in range(3)
     }
     assert [text[i] for i in range(3)] == [a.choices[0].text for a in alone]
+
+
+def test_logit_bias_bans_and_forces_tokens(shared_client, shared_server):
+    tokenizer = shared_server.engine.models[SMOL].tokenizer
+
+    def complete(**extra):
+        return (
+            shared_client.completions.create(
+                model=SMOL, prompt="The capital of France is", max_tokens=4, temperature=0, **extra
+            )
+            .choices[0]
+            .text
+        )
+
+    free = complete()
+    first = tokenizer.encode(free, add_special_tokens=False)[0]
+    banned = complete(logit_bias={str(first): -100})
+    assert not banned.startswith(tokenizer.decode([first]))
+    forced = tokenizer.encode(" zebra", add_special_tokens=False)[0]
+    assert complete(logit_bias={str(forced): 100}) == tokenizer.decode([forced] * 4)
+
+
+def test_logit_bias_out_of_range_or_not_a_token_id_is_a_400(shared_client):
+    for bias, words in (({"99999999": 5}, "out of range"), ({"abc": 5}, "token ids"), ({"5": 101}, "100")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            shared_client.completions.create(model=SMOL, prompt="hi", max_tokens=2, logit_bias=bias)
+        assert words in caught.value.body["message"]

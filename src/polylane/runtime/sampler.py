@@ -44,8 +44,9 @@ _SORT_AT_MOST = 1024
 class RequestSampler:
     """Samples the tokens of one request.
 
-    A request with a grammar (`constraint`) has every token the grammar forbids masked out of
-    its logits before any filter, and its grammar takes each token it samples (`sample_rows`).
+    A request's `logit_bias` is added to its logits first; with a grammar (`constraint`) every
+    token the grammar forbids is then masked out, and its grammar takes each token it samples
+    (`sample_rows`). Both happen before any filter, so logprobs and speculation see them too.
 
     Each request owns its own CPU ``torch.Generator``, seeded with ``params.seed`` when given
     and with fresh randomness otherwise, so a seeded request that sees the same sequence of
@@ -66,6 +67,18 @@ class RequestSampler:
     @property
     def greedy(self) -> bool:
         return self.params.greedy
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether its logits are changed before sampling (a logit bias, a grammar)."""
+        return bool(self.params.logit_bias) or self.constraint is not None
+
+    def bias(self, rows: torch.Tensor) -> None:
+        """Its logit bias added to (…, V) float rows, in place (ids past V are ignored)."""
+        width = rows.shape[-1]
+        for token, value in self.params.logit_bias:
+            if token < width:
+                rows[..., token] += value
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
         """The filtered, normalised distribution (V,) float32 on the CPU that `sample` draws from.
@@ -197,8 +210,10 @@ def sample_rows(logits: torch.Tensor, samplers: list[RequestSampler]) -> list[in
     if logits.dim() != 2 or logits.shape[0] != len(samplers):
         raise ValueError(f"expected logits of shape ({len(samplers)}, V), got {tuple(logits.shape)}")
     constrained = [i for i, s in enumerate(samplers) if s.constraint is not None]
-    if constrained:  # masked in a copy (the forward's output may be an inference tensor)
+    if any(s.shapes_logits for s in samplers):  # in a copy (the forward's may be an inference tensor)
         logits = logits.detach().to(device="cpu", dtype=torch.float32, copy=True)
+        for i, sampler in enumerate(samplers):
+            sampler.bias(logits[i])
         for i in constrained:
             samplers[i].constraint.mask(logits[i])  # type: ignore[union-attr]
     if all(s.params.greedy for s in samplers):

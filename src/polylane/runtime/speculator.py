@@ -220,8 +220,11 @@ class Speculator:
         round_ = self._rounds.pop(request_id)
         request, job = round_.request, round_.job
         constraint = request.sampler.constraint
-        if constraint is not None:  # each row as plain constrained decoding would see it
-            rows, greedy_choices = masked_rows(rows, job.tree, constraint), None
+        if request.sampler.shapes_logits:  # each row as plain decoding would see it
+            rows, greedy_choices = rows.detach().to(device="cpu", dtype=torch.float32, copy=True), None
+            request.sampler.bias(rows)
+            if constraint is not None:
+                rows = masked_rows(rows, job.tree, constraint)
         acceptance = accept_rows(rows, job.tree, request.sampler, job.draft_probs, greedy_choices)
         commit(kv, request.sequence, round_.base, job.tree, acceptance)
         if constraint is not None:

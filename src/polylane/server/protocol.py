@@ -53,7 +53,6 @@ _UNSUPPORTED = (
     "echo",
     "presence_penalty",
     "frequency_penalty",
-    "logit_bias",
     "suffix",
     "tools",
     # llama.cpp's GBNF and vLLM's grammar (structured outputs take JSON schemas, regexes, choices)
@@ -142,7 +141,10 @@ class _Sampling(_Strict):
     echo: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
-    logit_bias: Any = None
+    # OpenAI's: token id (a string of digits) → bias in [-100, 100], added to the logits
+    logit_bias: (
+        Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=1024)] | None
+    ) = None
     best_of: Any = None
     suffix: Any = None
     tools: Any = None
@@ -211,6 +213,14 @@ class _Sampling(_Strict):
         """The request's structured-output grammar (None: free text)."""
         return next((getattr(self, f) for f in _GRAMMAR_FIELDS if getattr(self, f) is not None), None)
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isdigit() or len(key) > 12:
+                raise ValueError(f"keys must be token ids (strings of digits), got {key[:24]!r}")
+        return value
+
     @field_validator("best_of")
     @classmethod
     def _best_of(cls, value: Any) -> Any:
@@ -233,6 +243,7 @@ class _Sampling(_Strict):
             ignore_eos=self.ignore_eos,
             speculation=self.speculation,
             grammar=self.grammar_spec,
+            logit_bias=tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items())),
         )
 
     @property
