@@ -42,7 +42,7 @@ from polylane.runtime.runner import Runner
 from polylane.runtime.sampling_defaults import read_sampling_defaults
 from polylane.runtime.spec_setup import SpeculationSetup
 from polylane.runtime.tokenizer import ChatTemplateError, Tokenizer, load_tokenizer
-from polylane.types import DEFAULT_DTYPE, SamplingDefaults, SamplingParams, StepPlan, StepResult
+from polylane.types import DEFAULT_DTYPE, SamplingDefaults, SamplingParams, StepPlan, StepResult, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,7 @@ class StreamEvent:
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token of token_ids, when the request asked
 
 
 @dataclass
@@ -143,6 +144,7 @@ class Completion:
     tpot_seconds: float | None  # mean seconds per output token after the first
     queue_seconds: float | None = None  # from submission to its first prefill step (None: never began)
     e2e_seconds: float | None = None  # from submission to its last event
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked
 
 
 class RequestHandle:
@@ -232,6 +234,7 @@ class RequestHandle:
             tpot,
             self.started_at - self.submitted_at if self.started_at is not None else None,
             self.finished_at - self.submitted_at if self.finished_at is not None else None,
+            [entry for e in self._events for entry in e.logprobs],
         )
 
     def _push(self, event: StreamEvent, wakes: _Wakes) -> None:
@@ -635,12 +638,13 @@ class Engine:
                     text += output.stops.push(output.detokenizer.flush())  # a character cut short: U+FFFD
                     text, reason = text + output.stops.flush(), ("stop" if output.stops.stopped else "length")
                     break
+            logprobs = result.logprobs.get(request_id, ())[: len(tokens)]
             if reason is None:
-                handle._push(StreamEvent(text, tuple(tokens)), wakes)
+                handle._push(StreamEvent(text, tuple(tokens), logprobs=logprobs), wakes)
                 continue
             result.finished[request_id] = reason
             self.runner.finish(request_id, cache=True)
-            self._end(request_id, reason, None, wakes, text, tuple(tokens))
+            self._end(request_id, reason, None, wakes, text, tuple(tokens), logprobs)
         _wake_loops(wakes)
         # Requests ended here gave their blocks back (free, or evictable in the prefix tree) after
         # the runner counted them: count again, or an idle engine keeps the stale count and a
@@ -656,6 +660,7 @@ class Engine:
         wakes: _Wakes,
         text: str = "",
         tokens: tuple[int, ...] = (),
+        logprobs: tuple[TokenLogprob, ...] = (),
     ) -> None:
         output = self._outputs.pop(request_id, None)
         if output is None:
@@ -664,7 +669,7 @@ class Engine:
         handle = output.handle
         self._last_active[handle.model] = time.monotonic()
         self.stats_recorder.finished(handle.model, reason, output.generated, handle)
-        handle._push(StreamEvent(text, tokens, reason, error), wakes)
+        handle._push(StreamEvent(text, tokens, reason, error, logprobs), wakes)
 
     def _shutdown(self) -> None:
         reason = "error" if self.error else "abort"

@@ -73,6 +73,19 @@ class GrammarSpec:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the distribution it was drawn from, and the
+    `top` most likely tokens of that distribution with theirs (most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its next token.
 
@@ -92,6 +105,9 @@ class SamplingParams:
     grammar: structured outputs: every token is one the grammar allows (None: free text).
     logit_bias: (token id, bias) pairs added to the logits before anything else (OpenAI's; -100
         bans a token, +100 all but forces it).
+    logprobs: None: none; N (0 to 20): each token's log-probability and the N most likely tokens'
+        (`TokenLogprob`), from the distribution the token was drawn from: after the bias, the
+        grammar, temperature, top-k/top-p/min-p (a greedy request's: the softmax of its logits).
     """
 
     temperature: float = 0.0
@@ -105,6 +121,7 @@ class SamplingParams:
     speculation: bool | None = None
     grammar: GrammarSpec | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
@@ -121,6 +138,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         if any(token < 0 or not -100.0 <= bias <= 100.0 for token, bias in self.logit_bias):
             raise ValueError("logit_bias takes token ids >= 0 and biases in [-100, 100]")
 
@@ -239,6 +258,7 @@ class StepResult:
     finished: request → "stop" | "length" (set by the engine: EOS, a stop string, max_tokens).
     free_blocks: model → KV blocks free or evictable after the step.
     forced_tokens: tokens a grammar forced this step, verified with the decode batch (jump-forward).
+    logprobs: request → its tokens' log-probabilities this step, in order (requests that ask).
     """
 
     step: int
@@ -251,3 +271,4 @@ class StepResult:
     finished: dict[int, str] = field(default_factory=dict)
     free_blocks: dict[str, int] = field(default_factory=dict)
     forced_tokens: int = 0
+    logprobs: dict[int, tuple[TokenLogprob, ...]] = field(default_factory=dict)

@@ -2,7 +2,8 @@
 n-gram and the int4 twin) and the grammar's forced tokens verified in the same passes, greedy
 output under a JSON schema is exactly plain constrained greedy decoding's, the forced tokens are
 counted, and every output validates. A logit bias under speculation gives plain decoding's output
-too (the verify rows are biased as the decode rows are)."""
+too (the verify rows are biased as the decode rows are), and logprobs come from the target's rows
+as plain decoding's do."""
 
 from __future__ import annotations
 
@@ -60,6 +61,18 @@ def test_speculation_under_a_grammar_is_plain_constrained_greedy():
         got = engine.submit(SMOL, messages=free[0], params=SamplingParams(max_tokens=48, logit_bias=ban))
         assert got.result(timeout=600).token_ids == want.result(timeout=600).token_ids
         assert ban[0][0] not in got.result(timeout=0).token_ids
+
+        # logprobs of speculated tokens: from the target's verify rows, as plain decoding's
+        ask = SamplingParams(max_tokens=32, logprobs=3)
+        want = engine.submit(
+            SMOL, messages=free[0], params=SamplingParams(max_tokens=32, logprobs=3, speculation=False)
+        )
+        got = engine.submit(SMOL, messages=free[0], params=ask).result(timeout=600)
+        want = want.result(timeout=600)
+        assert got.token_ids == want.token_ids and len(got.logprobs) == len(got.token_ids)
+        for a, b in zip(got.logprobs, want.logprobs, strict=True):
+            assert a.token == b.token and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert abs(a.logprob - b.logprob) < 1e-4
 
         stats = engine.stats()
         forced = stats.models[SMOL].forced_tokens

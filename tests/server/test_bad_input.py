@@ -205,8 +205,8 @@ CASES = [
         ("completion-only",),
     ),
     # defined by OpenAI, not implemented: refused, not ignored
-    Case("logprobs", COMPLETIONS, _c(logprobs=True), 400, "logprobs"),
-    Case("chat-logprobs", CHAT, _chat(logprobs=True, top_logprobs=3), 400, "logprobs"),
+    Case("logprobs-bool", COMPLETIONS, _c(logprobs=True), 400, "logprobs"),
+    Case("chat-logprobs-int", CHAT, _chat(logprobs=3), 400, "logprobs"),
     Case("presence_penalty", COMPLETIONS, _c(presence_penalty=0.5), 400, "presence_penalty"),
     Case("frequency_penalty", CHAT, _chat(frequency_penalty=1), 400, "frequency_penalty"),
     Case("echo", COMPLETIONS, _c(echo=True), 400, "echo"),

@@ -74,13 +74,15 @@ SAMPLING = {
     "ignore_eos": st.booleans(),
     "priority": st.integers(-100, 100),
     "user": text,
-    "logprobs": st.sampled_from([None, False, 0]),
+    "logprobs": st.sampled_from([None, False, True, 0, 2]),
+    "top_logprobs": st.sampled_from([None, 0, 3]),
     "echo": st.sampled_from([None, False]),
     "presence_penalty": st.sampled_from([None, 0]),
     "frequency_penalty": st.sampled_from([None, 0.0]),
-    "logit_bias": st.sampled_from([None, {}]),
+    "logit_bias": st.sampled_from([None, {}, {"15": 2.0}, {"15": -100}]),
     "best_of": st.sampled_from([None, 1]),
-    "response_format": st.sampled_from([None, {"type": "text"}]),
+    "response_format": st.sampled_from([None, {"type": "text"}, {"type": "json_object"}]),
+    "guided_choice": st.sampled_from([None, ["yes", "no"]]),
 }
 PROMPT = (
     st.text(min_size=1, max_size=40)

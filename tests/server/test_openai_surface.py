@@ -5,6 +5,7 @@ clients (`--allowed-origins`, off by default), batches of prompts and `logit_bia
 
 from __future__ import annotations
 
+import math
 import re
 
 import httpx
@@ -154,3 +155,79 @@ def test_logit_bias_out_of_range_or_not_a_token_id_is_a_400(shared_client):
         with pytest.raises(openai.BadRequestError) as caught:
             shared_client.completions.create(model=SMOL, prompt="hi", max_tokens=2, logit_bias=bias)
         assert words in caught.value.body["message"]
+
+
+def test_chat_logprobs_are_the_greedy_distributions_top(shared_client):
+    response = shared_client.chat.completions.create(
+        model=SMOL,
+        messages=[{"role": "user", "content": "Name three colours."}],
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+    )
+    choice = response.choices[0]
+    content = choice.logprobs.content
+    assert "".join(e.token for e in content) == choice.message.content
+    for entry in content:
+        tops = entry.top_logprobs
+        assert len(tops) == 5 and [t.logprob for t in tops] == sorted((t.logprob for t in tops), reverse=True)
+        assert entry.token == tops[0].token and entry.logprob == tops[0].logprob  # greedy: the argmax
+        assert sum(math.exp(t.logprob) for t in tops) <= 1.0 + 1e-5
+        assert entry.bytes == list(entry.token.encode())
+    streamed = shared_client.chat.completions.create(
+        model=SMOL,
+        messages=[{"role": "user", "content": "Name three colours."}],
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+        stream=True,
+    )
+    pieces = [
+        e
+        for chunk in streamed
+        if chunk.choices and chunk.choices[0].logprobs
+        for e in chunk.choices[0].logprobs.content
+    ]
+    assert [e.token for e in pieces] == [e.token for e in content]
+    # (the server's thread count follows the machine's load: sums may round differently)
+    assert all(abs(a.logprob - b.logprob) < 1e-3 for a, b in zip(pieces, content, strict=True))
+
+
+def test_sampled_logprobs_come_from_the_filtered_distribution(shared_client):
+    response = shared_client.completions.create(
+        model=SMOL,
+        prompt="Once upon a time",
+        max_tokens=10,
+        temperature=0.7,
+        logprobs=5,
+        extra_body={"top_k": 3},
+    )
+    choice = response.choices[0]
+    assert "".join(choice.logprobs.tokens) == choice.text
+    assert len(choice.logprobs.token_logprobs) == len(choice.logprobs.tokens)
+    assert choice.logprobs.text_offset[0] == 0
+    for token, logprob, tops in zip(
+        choice.logprobs.tokens, choice.logprobs.token_logprobs, choice.logprobs.top_logprobs, strict=True
+    ):
+        assert 1 <= len(tops) <= 3  # only top_k's three tokens have probability
+        assert abs(sum(math.exp(v) for v in tops.values()) - 1.0) < 1e-4  # renormalised over them
+        assert tops[token] == logprob
+
+
+def test_logprobs_fields_are_checked(shared_client):
+    bad = (
+        ({"top_logprobs": 3}, "logprobs"),  # chat: top_logprobs without logprobs
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    )
+    for fields, param in bad:
+        with pytest.raises(openai.BadRequestError) as caught:
+            shared_client.chat.completions.create(
+                model=SMOL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, **fields
+            )
+        assert param in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        shared_client.completions.create(
+            model=SMOL, prompt="hi", max_tokens=2, extra_body={"top_logprobs": 2}
+        )

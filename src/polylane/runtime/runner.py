@@ -236,6 +236,8 @@ class Runner:
         for w in work:
             if w.request.id not in result.failed:
                 result.computed[w.request.id] = w.request.kv.num_tokens  # type: ignore[union-attr]
+                if w.request.sampler.logprobs:
+                    result.logprobs[w.request.id] = w.request.sampler.take_logprobs()
 
     # ------------------------------------------------------------------ speculation
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from polylane.runtime.grammar import Constraint
-from polylane.types import SamplingParams
+from polylane.types import SamplingParams, TokenLogprob
 
 __all__ = ["RequestSampler", "sample_rows"]
 
@@ -53,11 +53,12 @@ class RequestSampler:
     logits draws the same sequence of tokens no matter what else shares its batch.
     """
 
-    __slots__ = ("constraint", "generator", "params")
+    __slots__ = ("constraint", "generator", "logprobs", "params")
 
     def __init__(self, params: SamplingParams, constraint: Constraint | None = None) -> None:
         self.params = params
         self.constraint = constraint  # structured outputs: the grammar masks the logits first
+        self.logprobs: list[TokenLogprob] = []  # with params.logprobs: its tokens' since last taken
         self.generator = torch.Generator(device="cpu")
         if params.seed is None:
             self.generator.seed()
@@ -72,6 +73,27 @@ class RequestSampler:
     def shapes_logits(self) -> bool:
         """Whether its logits are changed before sampling (a logit bias, a grammar)."""
         return bool(self.params.logit_bias) or self.constraint is not None
+
+    def record_logprob(self, row: torch.Tensor, token: int) -> None:
+        """With params.logprobs: note `token`'s log-probability under the distribution it was drawn
+        from out of `row` (its shaped logits: bias and grammar applied)."""
+        top = self.params.logprobs
+        if top is None:
+            return
+        x = _cpu_row(row)
+        if self.params.greedy or self.params.top_k == 1:
+            logp = torch.log_softmax(x, dim=0)
+        else:
+            logp = torch.log(self.probabilities(x))
+        best: list[tuple[int, float]] = []
+        if top:
+            values, ids = torch.topk(logp, min(top, logp.shape[0]))
+            best = [(int(i), float(v)) for v, i in zip(values, ids, strict=True) if v > float("-inf")]
+        self.logprobs.append(TokenLogprob(token, max(float(logp[token]), -9999.0), tuple(best)))
+
+    def take_logprobs(self) -> tuple[TokenLogprob, ...]:
+        taken, self.logprobs = tuple(self.logprobs), []
+        return taken
 
     def bias(self, rows: torch.Tensor) -> None:
         """Its logit bias added to (…, V) float rows, in place (ids past V are ignored)."""
@@ -227,6 +249,8 @@ def sample_rows(logits: torch.Tensor, samplers: list[RequestSampler]) -> list[in
             raise GrammarDeadEnd(f"the grammar allows no token here (request row {i})")
     for i in constrained:
         samplers[i].constraint.accept(tokens[i])  # type: ignore[union-attr]
+    for i, sampler in enumerate(samplers):
+        sampler.record_logprob(logits[i], tokens[i])
     return tokens
 
 

@@ -227,6 +227,9 @@ class Speculator:
                 rows = masked_rows(rows, job.tree, constraint)
         acceptance = accept_rows(rows, job.tree, request.sampler, job.draft_probs, greedy_choices)
         commit(kv, request.sequence, round_.base, job.tree, acceptance)
+        if request.sampler.params.logprobs is not None:  # each token from its parent's row
+            for k, token in enumerate(acceptance.tokens):
+                request.sampler.record_logprob(rows[0 if k == 0 else acceptance.path[k - 1] + 1], token)
         if constraint is not None:
             constraint.accept_all(list(acceptance.tokens))
             self.forced_tokens += min(round_.forced, acceptance.num_accepted)

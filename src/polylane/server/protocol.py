@@ -21,13 +21,14 @@ import importlib.metadata
 import json
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from polylane.grammar_spec import GrammarError, grammar_for
 from polylane.sizes import parse_bytes
-from polylane.types import GrammarSpec, SamplingDefaults, SamplingParams
+from polylane.types import MAX_TOP_LOGPROBS, GrammarSpec, SamplingDefaults, SamplingParams, TokenLogprob
 
 # The finish reasons a client sees; the engine's others ("error", "deadline", "abort") are errors.
 FINISH_REASONS = ("stop", "length")
@@ -48,8 +49,6 @@ def _valid_unicode(text: str) -> None:
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
 _UNSUPPORTED = (
-    "logprobs",
-    "top_logprobs",
     "echo",
     "presence_penalty",
     "frequency_penalty",
@@ -136,8 +135,6 @@ class _Sampling(_Strict):
     # server's limits.request_timeout_s bounds it
     timeout: Annotated[float, Field(gt=0.0, le=1e9)] | None = None
     # Defined by OpenAI, not implemented here: a request that sets them is refused, not ignored.
-    logprobs: Any = None
-    top_logprobs: Any = None
     echo: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
@@ -244,7 +241,13 @@ class _Sampling(_Strict):
             speculation=self.speculation,
             grammar=self.grammar_spec,
             logit_bias=tuple(sorted((int(k), float(v)) for k, v in (self.logit_bias or {}).items())),
+            logprobs=self.logprobs_count,
         )
+
+    @property
+    def logprobs_count(self) -> int | None:
+        """How many top alternatives each token's logprobs entry lists (None: no logprobs)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -256,6 +259,8 @@ MAX_PROMPTS = 32  # prompts in one completions request (a batch)
 
 
 class CompletionRequest(_Sampling):
+    # each token's logprob and the N most likely alternatives' (OpenAI allows 5; polylane 20)
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     prompt: (
         Annotated[str, Field(min_length=1)]
         | TokenIds
@@ -274,6 +279,19 @@ class CompletionRequest(_Sampling):
                 "must be a non-empty string, a non-empty list of token ids (integers >= 0), or a list of "
                 f"1 to {MAX_PROMPTS} of either (a batch: each prompt gets its n choices)"
             ) from None
+
+    top_logprobs: Any = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _chat_only(cls, value: Any) -> Any:
+        if value is None:
+            return value
+        raise ValueError("is a chat completions field; completions take logprobs: N (the alternatives)")
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
 
     @property
     def prompt_inputs(self) -> list[str | list[int]]:
@@ -311,6 +329,18 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_COUNT)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("messages")
     @classmethod
@@ -373,28 +403,69 @@ def completion_body(
     }
 
 
-def choice(index: int, text: str, finish_reason: str | None, chat: bool) -> dict[str, Any]:
+def choice(
+    index: int, text: str, finish_reason: str | None, chat: bool, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
     if chat:
         return {
             "index": index,
             "message": {"role": "assistant", "content": text},
             "finish_reason": finish_reason,
-            "logprobs": None,
+            "logprobs": logprobs,
         }
-    return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+    return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
 
 
 def chunk_body(
-    request_id: str, model: str, index: int, text: str, finish_reason: str | None, chat: bool
+    request_id: str,
+    model: str,
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    chat: bool,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A streamed piece of one choice: its text (a chat delta's `content`; an empty delta where
-    `text` is empty), and the finish reason on the last."""
+    `text` is empty), its tokens' logprobs when asked, and the finish reason on the last."""
     if chat:
         delta: dict[str, Any] = {"content": text} if text else {}
-        piece = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        piece = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}
     else:
-        piece = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        piece = {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
     return _envelope(request_id, model, chat, choices=[piece])
+
+
+def logprobs_body(
+    entries: Sequence[TokenLogprob], token_text: Callable[[int], str], chat: bool, offset: int = 0
+) -> dict[str, Any]:
+    """OpenAI's `logprobs` of a choice (or a chunk of one): chat's `content` list of {token,
+    logprob, bytes, top_logprobs}; completions' parallel lists (tokens, token_logprobs,
+    top_logprobs, text_offset from `offset`)."""
+    if chat:
+        content = [
+            {
+                "token": token_text(e.token),
+                "logprob": e.logprob,
+                "bytes": list(token_text(e.token).encode()),
+                "top_logprobs": [
+                    {"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode())}
+                    for t, lp in e.top
+                ],
+            }
+            for e in entries
+        ]
+        return {"content": content, "refusal": None}
+    tokens = [token_text(e.token) for e in entries]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{token_text(t): lp for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def role_chunk(request_id: str, model: str, index: int) -> dict[str, Any]:

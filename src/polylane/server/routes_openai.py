@@ -10,10 +10,11 @@ ending with `data: [DONE]`, and aborting at the next engine step when the client
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -33,6 +34,7 @@ from polylane.server import protocol
 from polylane.server.admission import QueueFullError
 from polylane.server.errors import ApiError, error_body
 from polylane.server.state import ServerState
+from polylane.types import TokenLogprob
 
 router = APIRouter()
 STARTED = int(time.time())
@@ -208,8 +210,35 @@ async def _serve(
     for completion in completions:
         if completion.finish_reason not in protocol.FINISH_REASONS:
             raise _failure_error(completion.finish_reason, completion.error, state, deadline_s)
-    choices = [protocol.choice(i, c.text, c.finish_reason, chat) for i, c in enumerate(completions)]
+    shown = _LogprobsShown(state, model, body, chat)
+    choices = [
+        protocol.choice(i, c.text, c.finish_reason, chat, shown.body(c.logprobs, c.finish_reason))
+        for i, c in enumerate(completions)
+    ]
     return protocol.completion_body(request_id, body.model, choices, usage, chat)
+
+
+class _LogprobsShown:
+    """A request's logprobs as the client sees them (None when it did not ask): each token's text
+    in full (special tokens too), the end-of-turn token that stopped a choice left out."""
+
+    def __init__(self, state: ServerState, model: str, body: Any, chat: bool) -> None:
+        self.asked = body.logprobs_count is not None
+        tokenizer = state.engine.models[model].tokenizer
+        self.stop_ids = tokenizer.stop_token_ids
+        self.chat = chat
+        self.text = functools.lru_cache(maxsize=4096)(
+            lambda token: tokenizer.decode([token], skip_special_tokens=False)
+        )
+
+    def body(
+        self, entries: Sequence[TokenLogprob], finish_reason: str | None, offset: int = 0
+    ) -> dict[str, Any] | None:
+        if not self.asked:
+            return None
+        if finish_reason == "stop" and entries and entries[-1].token in self.stop_ids:
+            entries = entries[:-1]
+        return protocol.logprobs_body(entries, self.text, self.chat, offset)
 
 
 def _account(state: ServerState, completions: list[Completion], n: int) -> dict[str, Any]:
@@ -438,23 +467,32 @@ async def _stream(
     try:
         started = [False] * len(handles)
         error: tuple[str, str, int] | None = None
+        shown = _LogprobsShown(state, handles[0].model, body, chat)
+        # per choice: logprobs of tokens whose text is not out yet, and the text offset so far
+        pending: list[list[TokenLogprob]] = [[] for _ in handles]
+        offsets = [0] * len(handles)
         async for index, event in _then(first, rest):
             finish_reason = event.finish_reason
             if finish_reason is not None and finish_reason not in protocol.FINISH_REASONS:
                 error = error or _failure(finish_reason, event.error, state, deadline_s)
                 finish_reason = None  # the error event below ends the stream
+            pending[index].extend(event.logprobs)
             if not event.text and finish_reason is None:
                 continue
             if chat and not started[index]:  # OpenAI's first chunk of a choice: the role alone
                 yield f"data: {json.dumps(protocol.role_chunk(request_id, body.model, index))}\n\n"
             started[index] = True
+            logprobs = shown.body(pending[index], finish_reason, offsets[index])
+            pending[index] = []
             if event.text:
                 chunk = protocol.chunk_body(
-                    request_id, body.model, index, event.text, None if chat else finish_reason, chat
+                    request_id, body.model, index, event.text, None if chat else finish_reason, chat, logprobs
                 )
+                offsets[index] += len(event.text)
+                logprobs = None
                 yield f"data: {json.dumps(chunk)}\n\n"
             if finish_reason is not None and (chat or not event.text):  # chat: an empty delta carries it
-                chunk = protocol.chunk_body(request_id, body.model, index, "", finish_reason, chat)
+                chunk = protocol.chunk_body(request_id, body.model, index, "", finish_reason, chat, logprobs)
                 yield f"data: {json.dumps(chunk)}\n\n"
         usage = _account(state, [h.result(timeout=0) for h in handles], body.n)
         if error is not None:
