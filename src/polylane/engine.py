@@ -711,10 +711,12 @@ class Engine:
         self,
         model: str,
         prompt: str | Sequence[int] | None = None,
-        messages: list[dict[str, str]] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The token ids a request would run: a prompt string encoded, token ids checked against
-        the vocabulary, or chat messages rendered with the model's template."""
+        the vocabulary, or chat messages (and the tools they may call) rendered with the model's
+        template."""
         served = self._models.get(model)
         if served is None:
             raise UnknownModelError(model, list(self._models))
@@ -726,7 +728,7 @@ class Engine:
                 raise ChatTemplateError(
                     f"model {served.name!r} has no chat template (a base model): use completions"
                 )
-            ids = tokenizer.render_chat(messages)
+            ids = tokenizer.render_chat(messages, tools)
         elif isinstance(prompt, str):
             ids = tokenizer.encode(prompt)
         else:

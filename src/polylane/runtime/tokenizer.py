@@ -66,14 +66,19 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of `messages` in the model's chat format, ready for the assistant's turn."""
+    def render_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of `messages` in the model's chat format, ready for the assistant's turn (with
+        `tools` shown to the model as its template does)."""
         if not self.has_chat_template:
             raise ChatTemplateError(
                 "this model has no chat template (it is a base model); send a plain prompt instead"
             )
         try:
-            text = self.backend.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self.backend.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
+            )
         except Exception as error:
             raise ChatTemplateError(f"the model's chat template failed: {error}") from None
         # The template writes any BOS itself.

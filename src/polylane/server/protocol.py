@@ -24,9 +24,18 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from polylane.grammar_spec import GrammarError, grammar_for
+from polylane.server.tools import call_grammar
 from polylane.sizes import parse_bytes
 from polylane.types import MAX_TOP_LOGPROBS, GrammarSpec, SamplingDefaults, SamplingParams, TokenLogprob
 
@@ -53,7 +62,6 @@ _UNSUPPORTED = (
     "presence_penalty",
     "frequency_penalty",
     "suffix",
-    "tools",
     # llama.cpp's GBNF and vLLM's grammar (structured outputs take JSON schemas, regexes, choices)
     "grammar",
     "guided_grammar",
@@ -144,7 +152,6 @@ class _Sampling(_Strict):
     ) = None
     best_of: Any = None
     suffix: Any = None
-    tools: Any = None
     grammar: Any = None
     guided_grammar: Any = None
     # Structured outputs (at most one): each is read into a GrammarSpec as it is validated.
@@ -153,9 +160,6 @@ class _Sampling(_Strict):
     guided_json: dict[str, Any] | str | None = None  # vLLM's (a schema, or one as a JSON string)
     guided_regex: Annotated[str, Field(min_length=1, max_length=10_000)] | None = None
     guided_choice: Choices | None = None
-    # Without tools, "none" and "auto" mean plain text (honoured); a required or named call is not.
-    tool_choice: Literal["none", "auto"] | None = None
-    parallel_tool_calls: bool | None = None  # (no tools, so no calls: honoured either way)
 
     @field_validator("stop")
     @classmethod
@@ -281,13 +285,17 @@ class CompletionRequest(_Sampling):
             ) from None
 
     top_logprobs: Any = None
+    tools: Any = None
+    tool_choice: Any = None
 
-    @field_validator("top_logprobs")
+    @field_validator("top_logprobs", "tools", "tool_choice")
     @classmethod
-    def _chat_only(cls, value: Any) -> Any:
-        if value is None:
+    def _chat_only(cls, value: Any, info: Any) -> Any:
+        if value in (None, [], "none", "auto"):
             return value
-        raise ValueError("is a chat completions field; completions take logprobs: N (the alternatives)")
+        if info.field_name == "top_logprobs":
+            raise ValueError("is a chat completions field; completions take logprobs: N (the alternatives)")
+        raise ValueError("is a chat completions field (tools are called from /v1/chat/completions)")
 
     @property
     def logprobs_count(self) -> int | None:
@@ -307,23 +315,106 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionDef(_Strict):
+    model_config = ConfigDict(extra="ignore")
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class NamedToolChoice(_Strict):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(_Strict):
+    model_config = ConfigDict(extra="ignore")
+
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    arguments: str  # JSON, as OpenAI sends it
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            raise ValueError("must be a JSON object (as a string)") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("must be a JSON object (as a string)")
+        return value
+
+
+class AssistantToolCall(_Strict):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's calls, earlier in the conversation
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with tool_calls may omit it)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     @field_validator("content")
     @classmethod
-    def _content(cls, value: str | list[TextPart]) -> str | list[TextPart]:
-        for text in [value] if isinstance(value, str) else [part.text for part in value]:
+    def _content(cls, value: str | list[TextPart] | None) -> str | list[TextPart] | None:
+        for text in [value] if isinstance(value, str) else [part.text for part in value or []]:
             _valid_unicode(text)
         return value
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """This message as chat templates take it (a call's arguments as an object)."""
+        message: dict[str, Any] = {
+            "role": {"developer": "system"}.get(self.role, self.role),
+            "content": self.text(),
+        }
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatCompletionRequest(_Sampling):
@@ -342,16 +433,65 @@ class ChatCompletionRequest(_Sampling):
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    _tool_grammar: GrammarSpec | None = PrivateAttr(default=None)
+    # "none": the tools are not shown to the model; "auto": it may call them; "required" or a named
+    # function: its output is calls (one, or several with parallel_tool_calls), by the grammar
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
     @field_validator("messages")
     @classmethod
     def _content(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
-        if not any(m.text() for m in messages):
+        if not any(m.text() or m.tool_calls for m in messages):
             raise ValueError("every message is empty")
         return messages
 
-    def plain_messages(self) -> list[dict[str, str]]:
-        role = {"developer": "system"}
-        return [{"role": role.get(m.role, m.role), "content": m.text()} for m in self.messages]
+    @model_validator(mode="after")
+    def _tools(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError("tools: two functions have the same name")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
+        if choice == "required" and not names:
+            raise ValueError("tool_choice 'required' needs tools")
+        if self.tool_grammar_wanted:
+            if super().grammar_spec is not None:
+                raise ValueError("a required or named tool_choice and a response format cannot both be set")
+            try:
+                tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
+                self._tool_grammar = call_grammar(tools, self.tool_names(), self.parallel_tool_calls)
+            except GrammarError as error:
+                raise ValueError(f"tools cannot be enforced: {error}") from None
+        return self
+
+    @property
+    def grammar_spec(self) -> GrammarSpec | None:
+        return self._tool_grammar or super().grammar_spec
+
+    def plain_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template takes them (None: no tools shown)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    @property
+    def tool_grammar_wanted(self) -> bool:
+        return self.tools is not None and (
+            self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+        )
+
+    def tool_names(self) -> list[str]:
+        """The functions a required or named choice allows."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [self.tool_choice.function.name]
+        return [t.function.name for t in self.tools or []]
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -414,6 +554,30 @@ def choice(
             "logprobs": logprobs,
         }
     return {"index": index, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+
+
+def tool_calls_choice(
+    index: int,
+    content: str | None,
+    calls: list[dict[str, Any]],
+    finish_reason: str,
+    logprobs: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """A chat choice whose output was tool calls (`server/tools.py`)."""
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": content, "tool_calls": calls},
+        "finish_reason": finish_reason,
+        "logprobs": logprobs,
+    }
+
+
+def tool_calls_chunk(request_id: str, model: str, index: int, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed chat choice's tool calls: one delta listing each call (its index among the
+    choice's calls, id, name and whole arguments), as OpenAI's clients assemble them."""
+    delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+    piece = {"index": index, "delta": delta, "finish_reason": None, "logprobs": None}
+    return _envelope(request_id, model, True, choices=[piece])
 
 
 def chunk_body(

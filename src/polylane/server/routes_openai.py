@@ -34,6 +34,7 @@ from polylane.server import protocol
 from polylane.server.admission import QueueFullError
 from polylane.server.errors import ApiError, error_body
 from polylane.server.state import ServerState
+from polylane.server.tools import ToolCallStream, parse_calls, supports_tools
 from polylane.types import TokenLogprob
 
 router = APIRouter()
@@ -211,10 +212,16 @@ async def _serve(
         if completion.finish_reason not in protocol.FINISH_REASONS:
             raise _failure_error(completion.finish_reason, completion.error, state, deadline_s)
     shown = _LogprobsShown(state, model, body, chat)
-    choices = [
-        protocol.choice(i, c.text, c.finish_reason, chat, shown.body(c.logprobs, c.finish_reason))
-        for i, c in enumerate(completions)
-    ]
+    calling = chat and body.template_tools is not None
+    choices = []
+    for i, c in enumerate(completions):
+        logprobs = shown.body(c.logprobs, c.finish_reason)
+        content, calls = parse_calls(c.text, set(body.tool_names())) if calling else (c.text, [])
+        if calls:
+            reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+            choices.append(protocol.tool_calls_choice(i, content, calls, reason, logprobs))
+        else:
+            choices.append(protocol.choice(i, c.text, c.finish_reason, chat, logprobs))
     return protocol.completion_body(request_id, body.model, choices, usage, chat)
 
 
@@ -325,7 +332,18 @@ def _prompt_ids(state: ServerState, model: str, body: Any, chat: bool) -> list[l
     """The request's prompts as token ids: a chat's one, a completion's one or several (a batch)."""
     try:
         if chat:
-            return [state.engine.prompt_ids(model, messages=body.plain_messages())]
+            tools = body.template_tools
+            if tools is not None and not supports_tools(
+                state.engine.models[model].tokenizer.backend.chat_template
+            ):
+                raise ApiError(
+                    400,
+                    f"the chat template of {model!r} does not call tools (polylane calls tools through "
+                    "templates that write <tool_call> blocks, as Qwen2.5's do)",
+                    param="tools",
+                    code="tools_not_supported",
+                )
+            return [state.engine.prompt_ids(model, messages=body.plain_messages(), tools=tools)]
         return [state.engine.prompt_ids(model, prompt) for prompt in body.prompt_inputs]
     except ChatTemplateError as error:
         if state.engine.models[model].tokenizer.has_chat_template:  # the template refused these messages
@@ -471,27 +489,42 @@ async def _stream(
         # per choice: logprobs of tokens whose text is not out yet, and the text offset so far
         pending: list[list[TokenLogprob]] = [[] for _ in handles]
         offsets = [0] * len(handles)
+        # with tools: per choice, text held from a <tool_call> on, parsed into calls at its end
+        calling = None
+        if chat and body.template_tools is not None:
+            calling = [ToolCallStream(set(body.tool_names())) for _ in handles]
         async for index, event in _then(first, rest):
             finish_reason = event.finish_reason
             if finish_reason is not None and finish_reason not in protocol.FINISH_REASONS:
                 error = error or _failure(finish_reason, event.error, state, deadline_s)
                 finish_reason = None  # the error event below ends the stream
             pending[index].extend(event.logprobs)
-            if not event.text and finish_reason is None:
+            text, calls = event.text, []
+            if calling is not None:
+                text = calling[index].push(text)
+                if event.finish_reason is not None:
+                    rest_text, calls = calling[index].finish()
+                    text += rest_text
+                    if calls and finish_reason == "stop":
+                        finish_reason = "tool_calls"
+            if not text and not calls and finish_reason is None:
                 continue
             if chat and not started[index]:  # OpenAI's first chunk of a choice: the role alone
                 yield f"data: {json.dumps(protocol.role_chunk(request_id, body.model, index))}\n\n"
             started[index] = True
             logprobs = shown.body(pending[index], finish_reason, offsets[index])
             pending[index] = []
-            if event.text:
+            if text:
                 chunk = protocol.chunk_body(
-                    request_id, body.model, index, event.text, None if chat else finish_reason, chat, logprobs
+                    request_id, body.model, index, text, None if chat else finish_reason, chat, logprobs
                 )
-                offsets[index] += len(event.text)
+                offsets[index] += len(text)
                 logprobs = None
                 yield f"data: {json.dumps(chunk)}\n\n"
-            if finish_reason is not None and (chat or not event.text):  # chat: an empty delta carries it
+            if calls:  # each call whole in one delta, in order
+                chunk = protocol.tool_calls_chunk(request_id, body.model, index, calls)
+                yield f"data: {json.dumps(chunk)}\n\n"
+            if finish_reason is not None and (chat or not text):  # chat: an empty delta carries it
                 chunk = protocol.chunk_body(request_id, body.model, index, "", finish_reason, chat, logprobs)
                 yield f"data: {json.dumps(chunk)}\n\n"
         usage = _account(state, [h.result(timeout=0) for h in handles], body.n)
