@@ -90,27 +90,32 @@ Choices = Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=
 
 class JsonSchemaFormat(_Strict):
     """`response_format.json_schema`: OpenAI's named schema (`strict` is always honoured here: the
-    output matches the schema whatever it says)."""
+    output matches the schema whatever it says; the name is optional, as llama.cpp takes it)."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")] | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
 class ResponseFormat(_Strict):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # llama.cpp's, with json_object
 
     def grammar(self) -> GrammarSpec | None:
         if self.type == "text":
             return None
         if self.type == "json_object":
-            return grammar_for("json_object")
+            return (
+                grammar_for("json_object")
+                if self.schema_ is None
+                else grammar_for("json_schema", self.schema_)
+            )
         if self.json_schema is None:
             raise ValueError("type json_schema needs a json_schema object ({name, schema, strict})")
         schema = self.json_schema.schema_
