@@ -51,6 +51,13 @@ def test_speculation_under_a_grammar_is_plain_constrained_greedy():
             assert want.finish_reason == "stop"
             jsonschema.validate(json.loads(want.text), SCHEMA)
             assert got.token_ids == want.token_ids, f"{got.text!r} != {want.text!r}"
+        # sampled under the grammar: prompt lookup and forced tokens only; the output still validates
+        sampled = SamplingParams(max_tokens=80, grammar=grammar, temperature=0.8, top_p=0.95)
+        for handle in [engine.submit(SMOL, messages=m, params=sampled) for m in messages]:
+            result = handle.result(timeout=600)
+            assert result.finish_reason == "stop"
+            jsonschema.validate(json.loads(result.text), SCHEMA)
+
         # a bias that bans the reference's most frequent token, with and without drafts
         ids = [t for r in reference for t in r.token_ids]
         ban = ((max(set(ids), key=ids.count), -100.0),)

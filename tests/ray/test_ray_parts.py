@@ -141,3 +141,19 @@ def test_aggregate_models_and_merge_metrics() -> None:
     assert 'polylane_x{replica="a",model="smol"} 0.0' in text
     assert 'polylane_x{replica="b",model="smol"} 1.0' in text
     assert 'polylane_y{replica="b"} 2.0' in text
+
+
+@pytest.mark.parametrize("origins", [(), ("http://localhost:3000",)])
+def test_the_ingress_answers_cors_only_for_the_origins_allowed(origins) -> None:
+    from fastapi.testclient import TestClient
+
+    from polylane.server.ray_app import create_ingress_app
+
+    config = ServerConfig(
+        models=(ModelDecl("smol", "smollm2-135m-instruct"),), budget_bytes=1, allowed_origins=origins
+    )
+    app = create_ingress_app(PolylaneIngress(None, config, "app"))  # type: ignore[arg-type]
+    headers = {"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"}
+    response = TestClient(app).options("/v1/chat/completions", headers=headers)
+    allowed = response.headers.get("access-control-allow-origin")
+    assert allowed == ("http://localhost:3000" if origins else None)

@@ -14,9 +14,11 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.conftest import GEMMA, QWEN, SMOL
+from tests.conftest import fetch_or_skip
+from tests.server.conftest import GEMMA, QWEN, SMOL, start_server
 
-INSTRUCT = (SMOL, QWEN)
+QWEN_LARGE = "qwen2.5-coder-1.5b-instruct"
+INSTRUCT = (SMOL, QWEN)  # and QWEN_LARGE in the slow tier
 SCHEMAS = {
     "person": {
         "type": "object",
@@ -219,3 +221,25 @@ def test_a_grammar_that_cannot_be_enforced_is_a_400_naming_it(shared_client, bod
     assert words in error["message"]
     if param is not None:
         assert error["param"].startswith(param)
+
+
+@pytest.mark.slow
+def test_the_largest_instruct_model_validates_too():
+    """Qwen2.5-Coder 1.5B (the slow tier: POLYLANE_SLOW=1), every schema."""
+    fetch_or_skip(QWEN_LARGE)
+    server = start_server((QWEN_LARGE,), kv_tokens=1024, dtype="auto")
+    try:
+        client = server.openai(timeout=600)
+        for schema in SCHEMAS:
+            response = client.chat.completions.create(
+                model=QWEN_LARGE,
+                messages=[{"role": "user", "content": ASK}],
+                response_format=_format(schema),
+                max_tokens=160,
+                temperature=0,
+            )
+            choice = response.choices[0]
+            assert choice.finish_reason == "stop", choice.message.content
+            jsonschema.validate(json.loads(choice.message.content), SCHEMAS[schema])
+    finally:
+        server.stop()

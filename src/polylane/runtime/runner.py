@@ -131,10 +131,8 @@ class Runner:
             model,
             tuple(prompt_ids),
             RequestSampler(params, constraint),
-            # a seeded sampled request reproduces its tokens only on plain decoding's draws; a
-            # sampled one with a grammar decodes plainly (`runtime/spec_grammar.py`)
-            speculate=params.speculation is not False
-            and (params.greedy or (params.seed is None and constraint is None)),
+            # a seeded sampled request reproduces its tokens only on plain decoding's draws
+            speculate=params.speculation is not False and (params.greedy or params.seed is None),
         )
 
     def finish(self, request_id: int, *, cache: bool) -> None:

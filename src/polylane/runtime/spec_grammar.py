@@ -11,9 +11,14 @@ What this module owns: the grammar's side of one speculative round of a greedy r
 - `masked_rows`: each verify row masked with the grammar's state after its node's path, so
   acceptance compares the draft with the argmax plain constrained decoding would take.
 
-Greedy requests only: the cut changes nothing for them (a forbidden token could never equal the
-masked argmax), and the output is plain constrained greedy decoding's. A sampled request with a
-grammar decodes plainly (cutting a sampled draft would change the residual draw's distribution).
+For a greedy request the cut changes nothing (a forbidden token could never equal the masked
+argmax): the output is plain constrained greedy decoding's. For a sampled one it changes nothing
+either where the draft is a proposal without a distribution (prompt lookup, and the forced tokens):
+a forbidden token has probability 0 under the masked target, so it would be rejected for sure and
+the residual draw would be the target's own distribution, which is what a draft cut before it
+draws. A model drafter's sampled draft has a distribution q, and cutting it would change the
+residual (p − q)⁺; so a sampled request under a grammar drafts only by prompt lookup
+(`Speculator.prepare`).
 """
 
 from __future__ import annotations

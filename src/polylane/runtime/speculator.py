@@ -142,7 +142,9 @@ class Speculator:
             available = [
                 n
                 for n, d in self.drafters.items()
-                if d.room(length) > limit and d.ready(request.id, request.context)
+                if d.room(length) > limit
+                and d.ready(request.id, request.context)
+                and (_drafts_deterministically(d) or not _sampled_under_grammar(request))
             ]
             catch_up = {n: self.drafters[n].catch_up(request.id, length) for n in available}
             decision = self.controller.decide(request.id, available, batch_size, limit, catch_up)
@@ -272,6 +274,17 @@ class Speculator:
     def record_forward(self, tokens: int, seconds: float, drafters: Sequence[str] = ()) -> None:
         """A target forward of the decode batch (no prefill in it): `tokens` rows computed."""
         self.controller.record_target_forward(tokens, seconds, drafters)
+
+
+def _sampled_under_grammar(request: SpecRequest) -> bool:
+    return request.sampler.constraint is not None and not request.sampler.greedy
+
+
+def _drafts_deterministically(drafter: Drafter) -> bool:
+    """Whether its drafts are proposals with no distribution of their own (prompt lookup): the only
+    drafts a grammar may cut for a sampled request without changing what it samples
+    (`runtime/spec_grammar.py`)."""
+    return isinstance(drafter, NgramDrafter)
 
 
 def _rank_events(job: DraftJob, acceptance: Acceptance) -> list[tuple[int, int | None]]:

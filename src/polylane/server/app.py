@@ -118,6 +118,15 @@ def add_guard(app: FastAPI, api_key: str | None, max_body_bytes: int, metrics_pu
     )
 
 
+def add_cors(app: FastAPI, allowed_origins: tuple[str, ...]) -> None:
+    """CORS for browser clients from `allowed_origins` (none: no CORS headers at all); added after
+    the guard, so it runs outside it: a browser's preflight carries no API key."""
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"]
+        )
+
+
 def create_app(state: ServerState, *, close_engine: bool = True) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -149,13 +158,7 @@ def create_app(state: ServerState, *, close_engine: bool = True) -> FastAPI:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     add_guard(app, state.api_key, state.limits.max_body_bytes, state.metrics_public)
-    if state.allowed_origins:  # outside the guard: a browser's preflight carries no API key
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=list(state.allowed_origins),
-            allow_methods=["*"],
-            allow_headers=["*"],
-        )
+    add_cors(app, state.allowed_origins)
     app.add_middleware(AccessLog, count=state.metrics.http_response)  # outermost: refusals are logged too
     openapi.install(
         app,

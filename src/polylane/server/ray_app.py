@@ -43,7 +43,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from polylane.server import errors
-from polylane.server.app import add_guard
+from polylane.server.app import add_cors, add_guard
 from polylane.server.config import ServerConfig
 from polylane.server.errors import ApiError, error_body, error_response
 from polylane.server.ray_replica import PolylaneReplica, get_directory
@@ -278,6 +278,7 @@ def create_ingress_app(ingress: PolylaneIngress) -> FastAPI:
         return await ingress.forward(request)
 
     add_guard(app, config.api_key, config.limits.max_body_bytes, config.metrics_public)
+    add_cors(app, config.allowed_origins)
     return app
 
 
