@@ -158,14 +158,15 @@ def test_logit_bias_out_of_range_or_not_a_token_id_is_a_400(shared_client):
 
 
 def test_chat_logprobs_are_the_greedy_distributions_top(shared_client):
-    response = shared_client.chat.completions.create(
-        model=SMOL,
-        messages=[{"role": "user", "content": "Name three colours."}],
-        max_tokens=12,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=5,
-    )
+    ask = {
+        "model": SMOL,
+        "messages": [{"role": "user", "content": "Name three colours."}],
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 5,
+    }
+    response = shared_client.chat.completions.create(**ask)
     choice = response.choices[0]
     content = choice.logprobs.content
     assert "".join(e.token for e in content) == choice.message.content
@@ -175,15 +176,7 @@ def test_chat_logprobs_are_the_greedy_distributions_top(shared_client):
         assert entry.token == tops[0].token and entry.logprob == tops[0].logprob  # greedy: the argmax
         assert sum(math.exp(t.logprob) for t in tops) <= 1.0 + 1e-5
         assert entry.bytes == list(entry.token.encode())
-    streamed = shared_client.chat.completions.create(
-        model=SMOL,
-        messages=[{"role": "user", "content": "Name three colours."}],
-        max_tokens=12,
-        temperature=0,
-        logprobs=True,
-        top_logprobs=5,
-        stream=True,
-    )
+    streamed = shared_client.chat.completions.create(**ask, stream=True)
     pieces = [
         e
         for chunk in streamed

@@ -71,7 +71,7 @@ def test_required_always_calls_and_matches_the_schema(shared_client, parallel):
         tools=TOOLS,
         tool_choice="required",
         parallel_tool_calls=parallel,
-        max_tokens=120,
+        max_tokens=64,
         temperature=0,
     )
     choice = response.choices[0]
@@ -158,6 +158,10 @@ def test_a_tool_answer_continues_the_conversation(shared_client):
         ),
         ({"tool_choice": "required"}, "needs tools"),
         ({"tools": [WEATHER, WEATHER]}, "same name"),
+        (
+            {"tools": TOOLS, "response_format": {"type": "json_object"}, "tool_choice": "required"},
+            "cannot both",
+        ),
     ],
 )
 def test_tool_requests_that_cannot_be_served_are_400s(shared_client, fields, words):

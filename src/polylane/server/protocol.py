@@ -452,16 +452,26 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("every message is empty")
         return messages
 
+    @field_validator("tools")
+    @classmethod
+    def _names(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError("two functions have the same name")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice(cls, choice: Any, info: Any) -> Any:
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"names {choice.function.name!r}, which is not among the tools")
+        if choice == "required" and not names:
+            raise ValueError("'required' needs tools")
+        return choice
+
     @model_validator(mode="after")
     def _tools(self) -> ChatCompletionRequest:
-        names = [t.function.name for t in self.tools or []]
-        if len(set(names)) < len(names):
-            raise ValueError("tools: two functions have the same name")
-        choice = self.tool_choice
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools")
-        if choice == "required" and not names:
-            raise ValueError("tool_choice 'required' needs tools")
         if self.tool_grammar_wanted:
             if super().grammar_spec is not None:
                 raise ValueError("a required or named tool_choice and a response format cannot both be set")
