@@ -52,7 +52,6 @@ class Constraint:
     """
 
     def __init__(self, spec: GrammarSpec, tokenizer: Any) -> None:
-        self.spec = spec
         self.width = width = tokenizer.vocab_size
         lltok = _TOKENIZERS.get(tokenizer, width)
         self._matcher = llguidance.LLMatcher(lltok, spec.grammar)
@@ -93,7 +92,3 @@ class Constraint:
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens`, taken in order from here, the grammar allows (nothing is taken)."""
         return self._matcher.validate_tokens(tokens)
-
-    @property
-    def finished(self) -> bool:
-        return self._matcher.is_stopped()
