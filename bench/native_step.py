@@ -2,7 +2,7 @@
 
 Run:  python bench/native_step.py [--model smollm2-135m-instruct] [--dtype int4|auto|...]
       [--batch 1 8] [--context 64 400] [--threads 2] [--steps 40] [--prefill 127 383]
-      [--prompts 1]
+      [--prompts 1] [--native-only]
 
 Loads the model and times the bare forward (no engine) of a decode step — --batch sequences, one
 new token each, after --context tokens — median of --steps steps, for: the native stack with its
@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--prefill", type=int, nargs="*", default=[127, 383], help="prompt sizes to time")
     parser.add_argument("--prompts", type=int, default=1, help="prompts of --prefill tokens in one forward")
+    parser.add_argument("--native-only", action="store_true", help="the native stack alone (for a profiler)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model(args.model, args.dtype, quiet=True, device="cpu")  # the CPU stacks compared
@@ -62,7 +63,7 @@ def main() -> None:
         raise SystemExit(f"the native stack does not run this model here: {model.compute_path}")
     kernel = native.kernel_name()
     kernels = ["amx", "avx512-bf16"] if kernel == "amx" else [kernel or "native"]
-    systems = [*kernels, "torch"]
+    systems = kernels if args.native_only else [*kernels, "torch"]
 
     def run(system: str, measure, *arguments):
         lib.polylane_use_amx(int(system == "amx"))
@@ -102,12 +103,14 @@ def main() -> None:
 
     keys = list(results[systems[0]])
     print(f"{args.model} {args.dtype}, {args.threads} threads: decode step (ms) and prefill (tokens/s)")
-    print("| " + " | ".join(["measure", *systems, f"{systems[0]} speedup"]) + " |")
-    print("|---" * (len(systems) + 2) + "|")
+    ratios = len(systems) > 1
+    print("| " + " | ".join(["measure", *systems, *([f"{systems[0]} speedup"] if ratios else [])]) + " |")
+    print("|---" * (len(systems) + 1 + ratios) + "|")
     for key in keys:
         values = [results[s][key] for s in systems]
         ratio = values[-1] / values[0] if key.startswith("decode") else values[0] / values[-1]
-        print("| " + " | ".join([key, *(f"{v:.2f}" for v in values), f"{ratio:.2f}×"]) + " |")
+        shown = [key, *(f"{v:.2f}" for v in values), *([f"{ratio:.2f}×"] if ratios else [])]
+        print("| " + " | ".join(shown) + " |")
     print(json.dumps({"model": args.model, "dtype": args.dtype, "threads": args.threads, "results": results}))
 
 

@@ -766,9 +766,8 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
                 if (rows < DECODE_ROWS_BELOW && decodes_tile(types, count)) {
                     for (int64_t j0 = m0; j0 < m1; j0 += DECODE_ROWS) {
                         const int64_t n = m1 - j0 < DECODE_ROWS ? m1 - j0 : DECODE_ROWS;
-                        CodedActivations a[DECODE_ROWS];
-                        for (int64_t j = 0; j < n; j++) a[j] = activation_layout(activations + (size_t)(j0 + j - m0) * x_bytes, k, 0);
-                        decode_tile_rows(types, sources, count, k, a, n, y + j0 * n_total + n0, n_total);
+                        const CodedActivations a = activation_layout(activations + (size_t)(j0 - m0) * x_bytes, k, 0);
+                        decode_tile_rows(types, sources, count, k, &a, (int64_t)x_bytes, n, y + j0 * n_total + n0, n_total);
                     }
                     if (w->bias)
                         for (int64_t row = m0; row < m1; row++)

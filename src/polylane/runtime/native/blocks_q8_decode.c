@@ -19,6 +19,10 @@ path hold for this one.
 
 #if defined(Q8_VNNI) || defined(Q8_AVX2)
 
+/* Activation row j of a batch whose coded rows lie `stride` bytes apart, as the same pointer type
+   as `first` (row 0's): one base pointer for every row, so that the rows' addresses need no loads. */
+#define row_at(first, j, stride) ((__typeof__(first))((const char *)(first) + (j) * (stride)))
+
 /* The formats of blocks of 32 (Q4_0, Q4_1, Q5_0, Q8_0): bytes per block, and (below) their d and m
    exactly as simd_code_row makes them. */
 static int64_t small_block_bytes(int64_t type) {
@@ -172,7 +176,7 @@ static inline __attribute__((always_inline)) __m512 decode_span(int64_t type, co
    unpacked once and put in lane layout in registers, then per activation row coded_tile_step's
    operations (dot products with its lane-layout codes, the two multiply-adds). */
 static inline __attribute__((always_inline)) void decode_span_rows(int64_t type, const uint8_t *row, int64_t c, int64_t k,
-                                                                   const CodedActivations *x, int count, __m512 *lanes) {
+                                                                   const CodedActivations *x, int64_t stride, int count, __m512 *lanes) {
     __m512i codes[4];
     __m512 scale, offset;
     span_codes(type, row, c, k, codes, &scale, &offset);
@@ -180,9 +184,9 @@ static inline __attribute__((always_inline)) void decode_span_rows(int64_t type,
     const int64_t g = c / GROUP;
     for (int j = 0; j < count; j++) {
         __m512i sum = _mm512_setzero_si512();
-        for (int p = 0; p < 4; p++) sum = _mm512_dpbusd_epi32(sum, codes[p], _mm512_loadu_si512(x[j].lanes + c + 64 * p));
-        lanes[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_loadu_ps(x[j].scale + g)), lanes[j]);
-        lanes[j] = _mm512_fmadd_ps(offset, _mm512_loadu_ps(x[j].group_sum + g), lanes[j]);
+        for (int p = 0; p < 4; p++) sum = _mm512_dpbusd_epi32(sum, codes[p], _mm512_loadu_si512(row_at(x->lanes, j, stride) + c + 64 * p));
+        lanes[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale, _mm512_loadu_ps(row_at(x->scale, j, stride) + g)), lanes[j]);
+        lanes[j] = _mm512_fmadd_ps(offset, _mm512_loadu_ps(row_at(x->group_sum, j, stride) + g), lanes[j]);
     }
 }
 
@@ -374,7 +378,7 @@ static inline __attribute__((always_inline)) __m256 decode_superblock_k4(const u
 
 /* One span of a row dotted with `count` activation rows, as on VNNI. */
 static inline __attribute__((always_inline)) void decode_span_rows(int64_t type, const uint8_t *row, int64_t c, int64_t k,
-                                                                   const CodedActivations *x, int count, __m256 *lanes) {
+                                                                   const CodedActivations *x, int64_t stride, int count, __m256 *lanes) {
     __m256i codes[4];
     __m256 scale, offset;
     span_codes(type, row, c, k, codes, &scale, &offset);
@@ -382,10 +386,10 @@ static inline __attribute__((always_inline)) void decode_span_rows(int64_t type,
     const int64_t g = c / GROUP;
     for (int j = 0; j < count; j++) {
         __m256i xq[4];
-        for (int p = 0; p < 4; p++) xq[p] = _mm256_loadu_si256((const __m256i *)(x[j].lanes + c + 32 * p));
+        for (int p = 0; p < 4; p++) xq[p] = _mm256_loadu_si256((const __m256i *)(row_at(x->lanes, j, stride) + c + 32 * p));
         const __m256i sum = span_sum(pair_steps(type), codes, xq);
-        lanes[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_loadu_ps(x[j].scale + g)), lanes[j]);
-        lanes[j] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(x[j].group_sum + g), lanes[j]);
+        lanes[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_loadu_ps(row_at(x->scale, j, stride) + g)), lanes[j]);
+        lanes[j] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(row_at(x->group_sum, j, stride) + g), lanes[j]);
     }
 }
 
@@ -488,52 +492,70 @@ static void decode_tile(const int64_t *types, const uint8_t *const *rows, int64_
    noise. One span ahead or three were no better; one row (decode_row) was slower with it. */
 #define SPANS_AHEAD 2
 
-/* lanes[j] += x[j] · w over columns [c0, c1) (whole spans, or to k) for `count` (<= DECODE_ROWS)
-   activation rows and one weight row of `type`; inlined per format, as decode_rows. */
+/* lanes[j] += x_j · w over columns [c0, c1) (whole spans, or to k) for `count` (<= DECODE_ROWS)
+   activation rows (`stride` bytes apart from x) and one weight row of `type`; inlined per format, as
+   decode_rows, and per constant count, so that the rows' running lanes stay in registers (with a
+   count known only at run time GCC kept them in memory: a store and a reload per row and span). */
 static inline __attribute__((always_inline)) void decode_row_rows(int64_t type, const uint8_t *row, int64_t c0, int64_t c1, int64_t k,
-                                                                  const CodedActivations *x, int count, DECODE_LANES *lanes) {
+                                                                  const CodedActivations *x, int64_t stride, int count, DECODE_LANES *lanes) {
     const int64_t span_bytes = block_row_bytes(type, SPAN);
+    DECODE_LANES held[DECODE_ROWS];
+    for (int j = 0; j < count; j++) held[j] = lanes[j];
     for (int64_t c = c0; c < c1; c += SPAN) {
         if (c + SPANS_AHEAD * SPAN < k) {
             const char *ahead = (const char *)row + block_row_bytes(type, c + SPANS_AHEAD * SPAN);
             for (int64_t line = 0; line < span_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
         }
-        decode_span_rows(type, row, c, k, x, count, lanes);
+        decode_span_rows(type, row, c, k, x, stride, count, held);
+    }
+    for (int j = 0; j < count; j++) lanes[j] = held[j];
+}
+
+/* decode_row_rows for a row of any of the formats with decode kernels, `count` a constant. */
+static inline __attribute__((always_inline)) void decode_row_rows_of(int64_t type, const uint8_t *row, int64_t c0, int64_t c1, int64_t k,
+                                                                     const CodedActivations *x, int64_t stride, int count, DECODE_LANES *lanes) {
+    switch (type) {
+    case GGML_Q4_K: decode_row_rows(GGML_Q4_K, row, c0, c1, k, x, stride, count, lanes); break;
+    case GGML_Q6_K: decode_row_rows(GGML_Q6_K, row, c0, c1, k, x, stride, count, lanes); break;
+    case GGML_Q4_0: decode_row_rows(GGML_Q4_0, row, c0, c1, k, x, stride, count, lanes); break;
+    case GGML_Q4_1: decode_row_rows(GGML_Q4_1, row, c0, c1, k, x, stride, count, lanes); break;
+    case GGML_Q5_0: decode_row_rows(GGML_Q5_0, row, c0, c1, k, x, stride, count, lanes); break;
+    default: decode_row_rows(GGML_Q8_0, row, c0, c1, k, x, stride, count, lanes); break;
     }
 }
 
-/* y[j · ldy + r] = x[j] · w[r] for the tile's `count` rows and `rows` activation rows (a batch of
-   decode tokens, a verify pass): each weight span unpacked once for up to DECODE_ROWS activation
-   rows, every (activation row, weight row) pair through coded_tile_step's operations, so each row's
-   result is what it would be alone. Long rows go DECODE_CHUNK columns at a time for the tile's
-   rows together, so that the activation rows' piece stays in L1 while the four weight rows take it
-   (Qwen2.5-Coder 1.5B's down projections, 8,960 columns: eight whole activation rows are 70 KB;
-   AMD EPYC Zen 4, `bench/block_rows.py --rows 8`, best of two alternating runs: the Q6_K down
-   projection 210 → 181 µs per row). */
+/* y[j · ldy + r] = x_j · w[r] for the tile's `count` rows and `rows` (<= DECODE_ROWS) activation
+   rows, `stride` bytes apart from x (a batch of decode tokens, a verify pass): each weight span
+   unpacked once for all the activation rows, every (activation row, weight row) pair through
+   coded_tile_step's operations, so each row's result is what it would be alone. Long rows go
+   DECODE_CHUNK columns at a time for the tile's rows together, so that the activation rows' piece
+   stays in L1 while the four weight rows take it (Qwen2.5-Coder 1.5B's down projections, 8,960
+   columns: eight whole activation rows are 70 KB; AMD EPYC Zen 4, `bench/block_rows.py --rows 8`,
+   best of two alternating runs: the Q6_K down projection 210 → 181 µs per row). */
 #define DECODE_CHUNK 1024
 static void decode_tile_rows(const int64_t *types, const uint8_t *const *rows, int64_t count, int64_t k,
-                             const CodedActivations *x, int64_t activation_rows, float *y, int64_t ldy) {
+                             const CodedActivations *x, int64_t stride, int64_t activation_rows, float *y, int64_t ldy) {
     DECODE_LANES lanes[TILE_ROWS][DECODE_ROWS];
-    for (int64_t j0 = 0; j0 < activation_rows; j0 += DECODE_ROWS) {
-        const int n = activation_rows - j0 < DECODE_ROWS ? (int)(activation_rows - j0) : DECODE_ROWS;
-        for (int64_t r = 0; r < count; r++)
-            for (int j = 0; j < n; j++) lanes[r][j] = (DECODE_LANES){0};
-        for (int64_t c0 = 0; c0 < k; c0 += DECODE_CHUNK) {
-            const int64_t c1 = c0 + DECODE_CHUNK < k ? c0 + DECODE_CHUNK : k;
-            for (int64_t r = 0; r < count; r++) {
-                switch (types[r]) {
-                case GGML_Q4_K: decode_row_rows(GGML_Q4_K, rows[r], c0, c1, k, x + j0, n, lanes[r]); break;
-                case GGML_Q6_K: decode_row_rows(GGML_Q6_K, rows[r], c0, c1, k, x + j0, n, lanes[r]); break;
-                case GGML_Q4_0: decode_row_rows(GGML_Q4_0, rows[r], c0, c1, k, x + j0, n, lanes[r]); break;
-                case GGML_Q4_1: decode_row_rows(GGML_Q4_1, rows[r], c0, c1, k, x + j0, n, lanes[r]); break;
-                case GGML_Q5_0: decode_row_rows(GGML_Q5_0, rows[r], c0, c1, k, x + j0, n, lanes[r]); break;
-                default: decode_row_rows(GGML_Q8_0, rows[r], c0, c1, k, x + j0, n, lanes[r]); break;
-                }
+    const int n = (int)activation_rows;
+    for (int64_t r = 0; r < count; r++)
+        for (int j = 0; j < n; j++) lanes[r][j] = (DECODE_LANES){0};
+    for (int64_t c0 = 0; c0 < k; c0 += DECODE_CHUNK) {
+        const int64_t c1 = c0 + DECODE_CHUNK < k ? c0 + DECODE_CHUNK : k;
+        for (int64_t r = 0; r < count; r++) {
+            switch (n) { /* a constant count per case */
+            case 1: decode_row_rows_of(types[r], rows[r], c0, c1, k, x, stride, 1, lanes[r]); break;
+            case 2: decode_row_rows_of(types[r], rows[r], c0, c1, k, x, stride, 2, lanes[r]); break;
+            case 3: decode_row_rows_of(types[r], rows[r], c0, c1, k, x, stride, 3, lanes[r]); break;
+            case 4: decode_row_rows_of(types[r], rows[r], c0, c1, k, x, stride, 4, lanes[r]); break;
+            case 5: decode_row_rows_of(types[r], rows[r], c0, c1, k, x, stride, 5, lanes[r]); break;
+            case 6: decode_row_rows_of(types[r], rows[r], c0, c1, k, x, stride, 6, lanes[r]); break;
+            case 7: decode_row_rows_of(types[r], rows[r], c0, c1, k, x, stride, 7, lanes[r]); break;
+            default: decode_row_rows_of(types[r], rows[r], c0, c1, k, x, stride, 8, lanes[r]); break;
             }
         }
-        for (int64_t r = 0; r < count; r++)
-            for (int j = 0; j < n; j++) y[(j0 + j) * ldy + r] = decode_total(lanes[r][j]);
     }
+    for (int64_t r = 0; r < count; r++)
+        for (int j = 0; j < n; j++) y[j * ldy + r] = decode_total(lanes[r][j]);
 }
 
 #else
@@ -544,8 +566,8 @@ static int has_decode_kernel(int64_t type) {
 }
 
 static void decode_tile_rows(const int64_t *types, const uint8_t *const *rows, int64_t count, int64_t k,
-                             const CodedActivations *x, int64_t activation_rows, float *y, int64_t ldy) {
-    (void)types, (void)rows, (void)count, (void)k, (void)x, (void)activation_rows, (void)y, (void)ldy;
+                             const CodedActivations *x, int64_t stride, int64_t activation_rows, float *y, int64_t ldy) {
+    (void)types, (void)rows, (void)count, (void)k, (void)x, (void)stride, (void)activation_rows, (void)y, (void)ldy;
 }
 
 static void decode_tile(const int64_t *types, const uint8_t *const *rows, int64_t count, int64_t k, const CodedActivations *x,

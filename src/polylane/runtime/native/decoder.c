@@ -847,6 +847,10 @@ static void rotate(float *x, int64_t heads, int64_t head_dim, const float *rotat
 
 #ifdef HAVE_DENSE_KERNELS
 #include "stack_avx512.c" /* e^x, bf16 loads and stores, attention, the MLP's gate: AVX-512 */
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(POLYLANE_PORTABLE)
+#define STACK_AVX2 1
+#include "stack_portable.c" /* e^x, bf16 stores, the MLP's gate in plain C */
+#include "stack_avx2.c"     /* the attention with AVX2 */
 #else
 #include "stack_portable.c" /* the same in plain C */
 #endif

@@ -125,9 +125,10 @@ static inline __attribute__((always_inline)) void attention_impl(const Model *mo
                             _mm512_mask_storeu_ps(scores + g * context + c0, lanes, _mm512_set1_ps(-INFINITY));
                         continue;
                     }
-                    if (c0 + 16 < context)
+                    if (c0 + 16 < context) /* the next 16 keys, every line of each */
                         for (int64_t c = c0 + 16; c < c0 + 32 && c < context; c++)
-                            _mm_prefetch(keys + (slots[c] * kv_width + kvh * dim) * element, _MM_HINT_T0);
+                            for (int64_t b = 0; b < dim * element; b += 64)
+                                _mm_prefetch(keys + (slots[c] * kv_width + kvh * dim) * element + b, _MM_HINT_T0);
                     const char *key[16];
                     for (int64_t c = 0; c < 16; c++)
                         key[c] = keys + (slots[c0 + (c < span ? c : 0)] * kv_width + kvh * dim) * element;

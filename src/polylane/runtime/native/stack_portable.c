@@ -1,6 +1,7 @@
 /* The layer stack's arithmetic outside the matrix products, in plain C (#included by decoder.c
  * where the CPU lacks AVX512-BF16 or the build is portable: AVX2-only x86, ARM; the compiler
- * vectorises the loops for what -march allows). stack_avx512.c is the same with AVX-512.
+ * vectorises the loops for what -march allows). stack_avx512.c is the same with AVX-512; on AVX2
+ * CPUs stack_avx2.c's attention takes the place of the one here.
  *
  * What this file owns: e^x, bf16 stores of the KV cache, the per-token grouped-query attention
  * over the paged cache, and the MLP's gated activation. Each token's arithmetic is its own (no
@@ -38,6 +39,7 @@ static inline void store_bf16(const float *x, int64_t size, uint16_t *out) {
     }
 }
 
+#ifndef STACK_AVX2 /* (AVX2 CPUs take stack_avx2.c's attention) */
 /* A cache row's `dim` values as float32: the row itself where the cache holds float32, else its bf16
  * values widened into `buffer`. */
 static inline const float *float_row(const void *row, int64_t dim, const int bf16, float *buffer) {
@@ -116,6 +118,8 @@ static void attention_impl(const Model *model, const Layer *layer, const Step *s
         }
     }
 }
+
+#endif
 
 /* out[i] = act(gate[i]) * up[i] for one token's MLP, act SiLU or GELU with the tanh approximation,
  * 0.5 g (1 + tanh(√(2/π) (g + 0.044715 g³))), as torch's "tanh" GELU. */
