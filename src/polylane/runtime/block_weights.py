@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from polylane.runtime.native import abi
 from polylane.runtime.native.build import NATIVE_ENV, enabled, load_library
 
 # ggml type ids with a kernel in blocks.c, by name
@@ -77,6 +78,7 @@ def library() -> ctypes.CDLL:
             raise BlockKernelsUnavailable(f"native kernels are turned off ({NATIVE_ENV}=0)")
         raise BlockKernelsUnavailable("the GGUF block kernels need a C compiler (cc or gcc); see the log")
     if not getattr(lib, "_polylane_typed", False):
+        abi.check(lib, "blocks", "polylane_blocks_abi", [Segment, BlockMatrix])
         lib.polylane_blocks_matmul.argtypes = [
             ctypes.POINTER(BlockMatrix),
             _pointer,

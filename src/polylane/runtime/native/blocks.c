@@ -23,6 +23,7 @@ other CPU, ARM included).
 */
 #include <math.h>
 #include <omp.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,6 +62,41 @@ typedef struct {
     const float *bias; /* NULL or out_features floats */
     int64_t activation_bits; /* 32: float32 activations; 8: rounded to 8 bits (blocks_q8.c) */
 } BlockMatrix;
+
+/* The binary interface Python checks before it binds (runtime/native/abi.py): a version that changes
+   whenever a struct Python mirrors changes, and each mirrored struct's size and fields' places. */
+#define POLYLANE_ABI_VERSION 1
+typedef struct {
+    const char *structure;
+    const char *field; /* "" for the struct's own size */
+    int64_t offset;
+    int64_t size;
+} AbiField;
+#define ABI_SIZE(type) {#type, "", 0, (int64_t)sizeof(type)}
+#define ABI_FIELD(type, name) {#type, #name, (int64_t)offsetof(type, name), (int64_t)sizeof(((type *)0)->name)}
+
+int64_t polylane_abi_version(void) { return POLYLANE_ABI_VERSION; }
+
+static const AbiField BLOCKS_ABI[] = {
+    ABI_SIZE(Segment),
+    ABI_FIELD(Segment, type),
+    ABI_FIELD(Segment, data),
+    ABI_FIELD(Segment, rows),
+    ABI_FIELD(Segment, row_map),
+    ABI_SIZE(BlockMatrix),
+    ABI_FIELD(BlockMatrix, in_features),
+    ABI_FIELD(BlockMatrix, out_features),
+    ABI_FIELD(BlockMatrix, num_segments),
+    ABI_FIELD(BlockMatrix, segments),
+    ABI_FIELD(BlockMatrix, bias),
+    ABI_FIELD(BlockMatrix, activation_bits),
+};
+
+/* The layout of Segment and BlockMatrix (*fields), and how many entries it has. */
+int64_t polylane_blocks_abi(const AbiField **fields) {
+    *fields = BLOCKS_ABI;
+    return (int64_t)(sizeof BLOCKS_ABI / sizeof BLOCKS_ABI[0]);
+}
 
 int polylane_blocks_isa(void) {
 #if defined(ISA_AVX512)

@@ -79,14 +79,16 @@ def library_path(source: Path, compiler: str) -> Path:
     return catalog.cache_dir().parent / "kernels" / f"{source.stem}-{digest.hexdigest()[:16]}.so"
 
 
-def _build(source: Path, target: Path, compiler: str) -> None:
+def build_library(source: Path, target: Path, compiler: str, extra_flags: tuple[str, ...] = ()) -> None:
+    """Compile `source` into the shared library `target` with this machine's flags (then
+    `extra_flags`); RuntimeError with the compiler's message where it fails."""
     target.parent.mkdir(parents=True, exist_ok=True)
     # built under a temporary name and renamed: concurrent processes never load a partial file
     handle, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(handle)
     try:
         result = subprocess.run(
-            [compiler, *compile_flags(), "-o", partial, str(source), "-lm"],
+            [compiler, *compile_flags(), *extra_flags, "-o", partial, str(source), "-lm"],
             capture_output=True,
             text=True,
             check=False,
@@ -114,7 +116,7 @@ def load_library(name: str) -> ctypes.CDLL | None:
         target = library_path(source, compiler)
         if not target.exists():
             log.info("building polylane's %s kernels with %s (once per machine)", name, compiler)
-            _build(source, target, compiler)
+            build_library(source, target, compiler)
         return ctypes.CDLL(str(target))
     except (OSError, RuntimeError) as error:
         log.warning("polylane's %s kernels are unavailable, using torch's: %s", name, error)

@@ -52,10 +52,7 @@
 
 #include "blocks.c" /* GGUF block formats in place: the BLOCKS kind */
 
-#define GROUP 32
-/* How far ahead of the column pair being multiplied the weight stream is prefetched: without it
- * one-row matmuls read memory at ~10 GB/s of the ~23 two cores can stream (SmolLM2 decode step
- * 6.9 -> 4.3 ms; 1 KiB ahead gave 5.6 ms, 8 KiB 4.5 ms). */
+#define QUANT_GROUP 32 /* int4 and int8 weights per scale (the dense kinds) */
 /* A prompt run (see the header) has this many tokens or more: from 16 the prompt paths are about as
  * fast as the exact ones, and faster from 20 (`bench/native_step.py --prefill 16 20 24 32`, against
  * a build with this set above 32). */
@@ -76,6 +73,9 @@
             for (int64_t m = 0; m < (rows); m++) __VA_ARGS__;                     \
         }                                                                         \
     } while (0)
+/* How far ahead of the column pair being multiplied the weight stream is prefetched: without it
+ * one-row matmuls read memory at ~10 GB/s of the ~23 two cores can stream (SmolLM2 decode step
+ * 6.9 -> 4.3 ms; 1 KiB ahead gave 5.6 ms, 8 KiB 4.5 ms). */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
 #endif
@@ -139,6 +139,75 @@ typedef struct {
     const uint8_t *local_visible; /* as `visible`, for sliding layers (keys within the window) */
 } Step;
 
+/* The layout of Matrix, Layer, Model and Step as stack.py mirrors them (checked before it binds,
+ * runtime/native/abi.py; blocks.c has the version and the block structs'). */
+static const AbiField STACK_ABI[] = {
+    ABI_SIZE(Matrix),
+    ABI_FIELD(Matrix, kind),
+    ABI_FIELD(Matrix, weight),
+    ABI_FIELD(Matrix, scales),
+    ABI_FIELD(Matrix, bias),
+    ABI_FIELD(Matrix, in_features),
+    ABI_FIELD(Matrix, out_features),
+    ABI_SIZE(Layer),
+    ABI_FIELD(Layer, input_norm),
+    ABI_FIELD(Layer, post_norm),
+    ABI_FIELD(Layer, qkv),
+    ABI_FIELD(Layer, o),
+    ABI_FIELD(Layer, gate_up),
+    ABI_FIELD(Layer, down),
+    ABI_FIELD(Layer, keys),
+    ABI_FIELD(Layer, values),
+    ABI_FIELD(Layer, boundary),
+    ABI_FIELD(Layer, boundary_valid),
+    ABI_FIELD(Layer, q_norm),
+    ABI_FIELD(Layer, k_norm),
+    ABI_FIELD(Layer, attention_norm),
+    ABI_FIELD(Layer, mlp_norm),
+    ABI_FIELD(Layer, sliding),
+    ABI_SIZE(Model),
+    ABI_FIELD(Model, num_layers),
+    ABI_FIELD(Model, hidden),
+    ABI_FIELD(Model, heads),
+    ABI_FIELD(Model, kv_heads),
+    ABI_FIELD(Model, head_dim),
+    ABI_FIELD(Model, intermediate),
+    ABI_FIELD(Model, vocab),
+    ABI_FIELD(Model, eps),
+    ABI_FIELD(Model, scale),
+    ABI_FIELD(Model, kv_bf16),
+    ABI_FIELD(Model, layers),
+    ABI_FIELD(Model, final_norm),
+    ABI_FIELD(Model, lm_head),
+    ABI_FIELD(Model, embedding),
+    ABI_FIELD(Model, embedding_scale),
+    ABI_FIELD(Model, final_boundary),
+    ABI_FIELD(Model, final_boundary_valid),
+    ABI_FIELD(Model, activation),
+    ABI_SIZE(Step),
+    ABI_FIELD(Step, tokens),
+    ABI_FIELD(Step, token_ids),
+    ABI_FIELD(Step, positions),
+    ABI_FIELD(Step, rotations),
+    ABI_FIELD(Step, slots),
+    ABI_FIELD(Step, context),
+    ABI_FIELD(Step, context_len),
+    ABI_FIELD(Step, sequence),
+    ABI_FIELD(Step, visible),
+    ABI_FIELD(Step, num_logits),
+    ABI_FIELD(Step, logit_rows),
+    ABI_FIELD(Step, threads),
+    ABI_FIELD(Step, start_layer),
+    ABI_FIELD(Step, input),
+    ABI_FIELD(Step, local_rotations),
+    ABI_FIELD(Step, local_visible),
+};
+
+int64_t polylane_stack_abi(const AbiField **fields) {
+    *fields = STACK_ABI;
+    return (int64_t)(sizeof STACK_ABI / sizeof STACK_ABI[0]);
+}
+
 /* A prompt run: tokens first .. first + count - 1 of the step, all of sequence `sequence`. With
  * attention on tiles it also carries which keys it sees and room for its packed keys and values. */
 typedef struct {
@@ -168,8 +237,8 @@ typedef struct {
 
 /* One row of activations (K) as bf16 column pairs and its bf16 sums per group (K/32). */
 static void prepare_row(const float *x, int64_t k, uint16_t *x16, float *group_sums) {
-    for (int64_t g = 0; g < k / GROUP; g++) {
-        const int64_t i = g * GROUP;
+    for (int64_t g = 0; g < k / QUANT_GROUP; g++) {
+        const int64_t i = g * QUANT_GROUP;
         const __m256i low = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
         const __m256i high = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i + 16));
         _mm256_storeu_si256((__m256i *)(x16 + i), low);
@@ -206,7 +275,7 @@ static inline __attribute__((always_inline)) void group_dot(const uint8_t *base,
         __m512 part[4][4];
         for (int m = 0; m < rows; m++)
             for (int j = 0; j < 4; j++) part[m][j] = _mm512_setzero_ps();
-        for (int64_t kk = first + s; kk < first + GROUP / 2; kk += 4) {
+        for (int64_t kk = first + s; kk < first + QUANT_GROUP / 2; kk += 4) {
             __m512bh w[4];
             _mm_prefetch((const char *)(base + kk * 64 + PREFETCH_BYTES), _MM_HINT_T0);
             unpack_pair(base + kk * 64, pick, w);
@@ -259,7 +328,7 @@ static inline __attribute__((always_inline)) void group_scales(const Matrix *w, 
  * per group: scale * acc + (zero - 136 scale) * sum x. */
 static void int4_block(const Matrix *w, const uint32_t *x_pairs, const float *group_sums,
                        int64_t rows, int64_t block, float *y, int64_t ldy) {
-    const int64_t k = w->in_features, n = w->out_features, pairs = k / 2, groups = k / GROUP;
+    const int64_t k = w->in_features, n = w->out_features, pairs = k / 2, groups = k / QUANT_GROUP;
     __m512i pick[2];
     pick_tables(pick);
     const uint8_t *base = (const uint8_t *)w->weight + block * pairs * 64;
@@ -270,7 +339,7 @@ static void int4_block(const Matrix *w, const uint32_t *x_pairs, const float *gr
         for (int64_t m = 0; m < count; m++) memset(out + m * ldy, 0, 64 * sizeof(float));
         for (int64_t g = 0; g < groups; g++) {
             __m512 acc[4][4];
-            const int64_t first = g * (GROUP / 2);
+            const int64_t first = g * (QUANT_GROUP / 2);
             if (g + 2 < groups) /* scales lie a row of N apart per group: no stream to follow */
                 for (int line = 0; line < 4; line++)
                     _mm_prefetch((const char *)(w->scales + (g + 2) * n + block * 64 + 16 * line), _MM_HINT_T0);
@@ -365,7 +434,7 @@ static inline void group_tile_products(const uint32_t *x, int64_t stride, const 
  * other every group. */
 static void int4_block_amx(const Matrix *w, const uint32_t *x_pairs, const float *group_sums,
                            int64_t rows, int64_t block, float *y, int64_t ldy) {
-    const int64_t k = w->in_features, n = w->out_features, pairs = k / 2, groups = k / GROUP;
+    const int64_t k = w->in_features, n = w->out_features, pairs = k / 2, groups = k / QUANT_GROUP;
     __m512i pick[2];
     pick_tables(pick);
     /* two groups' unpacked weights: the next group is unpacked while the tiles multiply this one */
@@ -380,8 +449,8 @@ static void int4_block_amx(const Matrix *w, const uint32_t *x_pairs, const float
         configure_tiles(configured);
         for (int64_t g = -1; g < groups; g++) {
             if (g + 1 < groups) {
-                const int64_t next = (g + 1) * (GROUP / 2);
-                for (int64_t i = 0; i < GROUP / 2; i++) {
+                const int64_t next = (g + 1) * (QUANT_GROUP / 2);
+                for (int64_t i = 0; i < QUANT_GROUP / 2; i++) {
                     _mm_prefetch((const char *)(base + (next + i) * 64 + PREFETCH_BYTES), _MM_HINT_T0);
                     __m512bh unpacked[4];
                     unpack_pair(base + (next + i) * 64, pick, unpacked);
@@ -389,7 +458,7 @@ static void int4_block_amx(const Matrix *w, const uint32_t *x_pairs, const float
                 }
             }
             if (g < 0) continue;
-            const int64_t first = g * (GROUP / 2);
+            const int64_t first = g * (QUANT_GROUP / 2);
             uint8_t(*tiles)[16][64] = weights[g & 1];
             if (g + 2 < groups)
                 for (int line = 0; line < 4; line++)
@@ -425,7 +494,7 @@ static void int4_block_amx(const Matrix *w, const uint32_t *x_pairs, const float
  * `tiles` holds K/32 × 4 tiles of 16 × 16 pairs. Rounding the weights makes these sums differ
  * slightly from int4_block_amx's: only prompt runs take this path. */
 static void dequantise_block(const Matrix *w, int64_t block, uint32_t *tiles) {
-    const int64_t k = w->in_features, pairs = k / 2, groups = k / GROUP;
+    const int64_t k = w->in_features, pairs = k / 2, groups = k / QUANT_GROUP;
     const __m512i high_half = _mm512_set1_epi32((int)0xffff0000u);
     __m512i pick[2];
     pick_tables(pick);
@@ -433,9 +502,9 @@ static void dequantise_block(const Matrix *w, int64_t block, uint32_t *tiles) {
     for (int64_t g = 0; g < groups; g++) {
         __m512 scale[4], offset[4];
         group_scales(w, g, block, scale, offset);
-        for (int64_t i = 0; i < GROUP / 2; i++) {
+        for (int64_t i = 0; i < QUANT_GROUP / 2; i++) {
             __m512bh unpacked[4];
-            unpack_pair(base + (g * (GROUP / 2) + i) * 64, pick, unpacked);
+            unpack_pair(base + (g * (QUANT_GROUP / 2) + i) * 64, pick, unpacked);
             for (int j = 0; j < 4; j++) {
                 const __m512i lanes = (__m512i)unpacked[j];
                 const __m512 even = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(lanes, 16)), scale[j], offset[j]);
@@ -450,14 +519,14 @@ static void dequantise_block(const Matrix *w, int64_t block, uint32_t *tiles) {
 
 static void int4_block_on_tiles(const Matrix *w, const uint32_t *tiles, const uint32_t *x_pairs, int64_t rows,
                                 int64_t block, float *y, int64_t ldy) {
-    const int64_t pairs = w->in_features / 2, groups = w->in_features / GROUP;
+    const int64_t pairs = w->in_features / 2, groups = w->in_features / QUANT_GROUP;
     int64_t configured = -1;
     for (int64_t m0 = 0; m0 < rows; m0 += 16) {
         const int64_t count = rows - m0 < 16 ? rows - m0 : 16;
         if (count != configured) configure_tiles(configured = count);
         zero_sum_tiles();
         for (int64_t g = 0; g < groups; g++) {
-            group_tile_products(x_pairs + m0 * pairs + g * (GROUP / 2), pairs * 4, tiles + g * 4 * 256);
+            group_tile_products(x_pairs + m0 * pairs + g * (QUANT_GROUP / 2), pairs * 4, tiles + g * 4 * 256);
         }
         float *out = y + m0 * ldy + block * 64;
         _tile_stored(0, out, ldy * 4);
@@ -488,7 +557,7 @@ static void configure_dense_tiles(int64_t rows) {
  * of K in the tiles, then an int8 row's scale applies. */
 static void bf16_block_amx(const Matrix *w, const uint16_t *base, const uint32_t *x_tiles, int64_t rows, int64_t first,
                            int64_t end, int64_t block, float *y, int64_t ldy) {
-    const int64_t k = w->in_features, groups = k / GROUP;
+    const int64_t k = w->in_features, groups = k / QUANT_GROUP;
     const float *scales = w->kind == INT8 ? (const float *)w->scales : NULL;
     __attribute__((aligned(64))) float products[4][16][16];
     int64_t configured = -1;
@@ -499,15 +568,15 @@ static void bf16_block_amx(const Matrix *w, const uint16_t *base, const uint32_t
         zero_sum_tiles();
         for (int64_t g = 0; g < groups; g++) {
             if (g + 4 < groups) /* 64 row streams: fetch each a few groups ahead */
-                for (int r = 0; r < 64; r++) _mm_prefetch((const char *)(base + r * k + (g + 4) * GROUP), _MM_HINT_T0);
+                for (int r = 0; r < 64; r++) _mm_prefetch((const char *)(base + r * k + (g + 4) * QUANT_GROUP), _MM_HINT_T0);
             _tile_loadd(6, chunk + g * 256, 64);
-            _tile_loadd(4, base + g * GROUP, k * 2);
+            _tile_loadd(4, base + g * QUANT_GROUP, k * 2);
             _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(5, base + 16 * k + g * GROUP, k * 2);
+            _tile_loadd(5, base + 16 * k + g * QUANT_GROUP, k * 2);
             _tile_dpbf16ps(1, 5, 6);
-            _tile_loadd(4, base + 32 * k + g * GROUP, k * 2);
+            _tile_loadd(4, base + 32 * k + g * QUANT_GROUP, k * 2);
             _tile_dpbf16ps(2, 4, 6);
-            _tile_loadd(5, base + 48 * k + g * GROUP, k * 2);
+            _tile_loadd(5, base + 48 * k + g * QUANT_GROUP, k * 2);
             _tile_dpbf16ps(3, 5, 6);
         }
         _tile_stored(0, products[0], 64);
@@ -679,8 +748,8 @@ typedef struct {
 
 static int scratch_alloc(Scratch *scratch, int64_t rows, int64_t width) {
     scratch->x16 = malloc(sizeof(uint16_t) * (size_t)(rows * width));
-    scratch->sums = malloc(sizeof(float) * (size_t)(rows * (width / GROUP + 1)));
-    scratch->x_tiles = malloc(sizeof(uint32_t) * (size_t)((rows + 15) / 16 * (width / GROUP + 1) * 256));
+    scratch->sums = malloc(sizeof(float) * (size_t)(rows * (width / QUANT_GROUP + 1)));
+    scratch->x_tiles = malloc(sizeof(uint32_t) * (size_t)((rows + 15) / 16 * (width / QUANT_GROUP + 1) * 256));
     return scratch->x16 && scratch->sums && scratch->x_tiles ? 0 : -1;
 }
 
@@ -715,7 +784,7 @@ static void quantised_rows_amx(const Matrix *w, const uint32_t *x_pairs, const f
     } else if (tiles) {
         int4_block_on_tiles(w, tiles, x_pairs + first * pairs, count, block, y + first * n, n);
     } else {
-        int4_block_amx(w, x_pairs + first * pairs, group_sums + first * (w->in_features / GROUP), count, block,
+        int4_block_amx(w, x_pairs + first * pairs, group_sums + first * (w->in_features / QUANT_GROUP), count, block,
                        y + first * n, n);
     }
 }
@@ -737,7 +806,7 @@ static int matmul(const Matrix *w, const float *x, int64_t rows, float *y, const
     const uint32_t *x_pairs = (const uint32_t *)scratch->x16;
     const int dense32 = w->kind == FP32 || w->kind == FP32_INPUT_MAJOR;
     const int64_t k = w->in_features;
-    if (!dense32) EACH_ROW(m, rows, prepare_row(x + m * k, k, scratch->x16 + m * k, scratch->sums + m * (k / GROUP)));
+    if (!dense32) EACH_ROW(m, rows, prepare_row(x + m * k, k, scratch->x16 + m * k, scratch->sums + m * (k / QUANT_GROUP)));
     const int amx = amx_on();
 #ifdef HAVE_AMX
     const int64_t prompt_runs = (w->kind == INT4 || w->kind == INT8) && runs ? runs->count : 0;
@@ -748,7 +817,7 @@ static int matmul(const Matrix *w, const float *x, int64_t rows, float *y, const
         {
             /* int4: the dequantised block's tiles, int8: its 64 rows as bf16, the same size (without
              * memory for them the runs take the exact kernel) */
-            uint32_t *tiles = prompt_runs ? aligned_alloc(64, sizeof(uint32_t) * (size_t)(w->in_features / GROUP * 1024))
+            uint32_t *tiles = prompt_runs ? aligned_alloc(64, sizeof(uint32_t) * (size_t)(w->in_features / QUANT_GROUP * 1024))
                                           : NULL;
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++) {

@@ -32,11 +32,12 @@ import torch
 from torch import nn
 
 from polylane.runtime.batch import ForwardBatch, new_token_visibility
-from polylane.runtime.block_weights import BlockEmbedding, BlockProjection
+from polylane.runtime.block_weights import BlockEmbedding, BlockMatrix, BlockProjection, Segment
 from polylane.runtime.int4_layout import packing_layout
 from polylane.runtime.kv_cache import PagedKVCache
 from polylane.runtime.layers import Projection
 from polylane.runtime.model_config import GLOBAL, SLIDING, ModelConfig
+from polylane.runtime.native import abi
 from polylane.runtime.native.build import load_library
 from polylane.types import SequenceChunk
 
@@ -161,6 +162,9 @@ def library() -> ctypes.CDLL | None:
     lib = load_library("decoder")
     if lib is None:
         return None
+    if not getattr(lib, "_polylane_abi_checked", False):
+        check_abi(lib)
+        lib._polylane_abi_checked = True
     lib.polylane_forward.argtypes = [ctypes.POINTER(Model), ctypes.POINTER(Step), _pointer]
     lib.polylane_forward.restype = ctypes.c_int
     lib.polylane_matmul.argtypes = [
@@ -174,6 +178,13 @@ def library() -> ctypes.CDLL | None:
     lib.polylane_matmul.restype = ctypes.c_int
     lib.polylane_use_amx.argtypes = [ctypes.c_int]
     return lib
+
+
+def check_abi(lib: ctypes.CDLL) -> None:
+    """NativeAbiError unless the decoder library's structs are laid out as this module's (and
+    block_weights') ctypes mirrors: a mismatch would corrupt memory silently."""
+    abi.check(lib, "decoder", "polylane_blocks_abi", [Segment, BlockMatrix])
+    abi.check(lib, "decoder", "polylane_stack_abi", [Matrix, Layer, Model, Step])
 
 
 def kernel_name() -> str | None:
