@@ -72,7 +72,7 @@ def check(lib: ctypes.CDLL, library_name: str, table: str, structures: list[type
         theirs, ours = reported.get(name), mirrored_layout(structure)
         if theirs is None:
             raise NativeAbiError(f"the {library_name} library reports no struct {name}")
-        for field in [*ours, *(field for field in theirs if field not in ours)]:  # mirror's order, then C's extra
+        for field in [*ours, *(field for field in theirs if field not in ours)]:  # the mirror's, then C's own
             if field and theirs.get(field) != ours.get(field):
                 raise NativeAbiError(
                     f"the {library_name} library's {name}.{field} is {_describe(theirs.get(field))} in C but "
