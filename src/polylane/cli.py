@@ -18,6 +18,7 @@ import sys
 
 from polylane import catalog
 from polylane.cli_generate import DEVICE_HELP
+from polylane.policy.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from polylane.server.logs import FORMATS, LEVELS
 from polylane.types import SAMPLING_FIELDS, WEIGHT_DTYPES, LoadError
 
@@ -104,8 +105,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     file_data = server_config.load_config_file(args.config) if args.config else {}
     known = {
-        "budget", "api_key", "host", "port", "lane_policy", "models", "device", "threads", "strict",
-        "drain_timeout", "max_queue_seconds", "log_level", "log_format", "metrics_public", "allowed_origins",
+        "budget", "api_key", "host", "port", "lane_policy", "eviction", "models", "device", "threads",
+        "strict", "drain_timeout", "max_queue_seconds", "log_level", "log_format", "metrics_public",
+        "allowed_origins",
         *SAMPLING_FIELDS,
     }  # fmt: skip
     unknown = set(file_data) - known
@@ -137,6 +139,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         port=args.port or int(file_data.get("port", 8000)),
         api_key=args.api_key or file_data.get("api_key") or os.environ.get("POLYLANE_API_KEY") or None,
         lane_policy=args.lane_policy or str(file_data.get("lane_policy", "throughput")),
+        eviction=server_config.choice(
+            "eviction", args.eviction, file_data, tuple(EVICTION_POLICIES), DEFAULT_EVICTION
+        ),
         threads=server_config.parse_threads(args.threads or file_data.get("threads", 0)),
         strict=args.strict or file_data.get("strict") is True,
         sampling=server_config.sampling_overrides(vars(args), file_data),
@@ -274,6 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--lane-policy", choices=["fcfs", "round-robin", "priority", "throughput"], help="decode lane policy"
+    )
+    serve.add_argument(
+        "--eviction",
+        choices=list(EVICTION_POLICIES),
+        help="which idle model leaves first when the budget needs room: lru (default), or cost (the least "
+        "reload time saved per byte held, GreedyDual-Size-Frequency)",
     )
     serve.add_argument(
         "--ray",

@@ -27,6 +27,7 @@ from typing import Any
 
 from polylane import catalog
 from polylane.engine_stats import EngineStats, StatsRecorder
+from polylane.policy.eviction import DEFAULT_EVICTION
 from polylane.policy.residency import NoRoomError, ResidencyError
 from polylane.policy.scheduler import Scheduler, SchedulerConfig
 from polylane.policy.spec_control import SpeculationConfig
@@ -82,6 +83,7 @@ class EngineConfig:
     budget_bytes: int
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     block_size: int = 16
+    eviction: str = DEFAULT_EVICTION  # which idle model leaves first under the budget (policy/eviction.py)
     quiet: bool = True  # no progress bars while loading
     device: str = "auto"  # where every model runs: auto (CUDA when torch sees a GPU), cpu, cuda[:N]
     # Woken from idle, the first step waits until no request has arrived for this long (and no
@@ -284,7 +286,11 @@ class Engine:
     def __init__(self, config: EngineConfig, manager: ResidencyManager | None = None) -> None:
         self.config = config
         self.manager = manager or ResidencyManager(
-            config.budget_bytes, block_size=config.block_size, quiet=config.quiet, device=config.device
+            config.budget_bytes,
+            eviction=config.eviction,
+            block_size=config.block_size,
+            quiet=config.quiet,
+            device=config.device,
         )
         self.scheduler = Scheduler(config.scheduler)
         self.runner = Runner()

@@ -237,10 +237,6 @@ class StepPlan:
             raise ValueError("a request appears twice in one step")
 
     @property
-    def has_forward(self) -> bool:
-        return bool(self.prefill or self.decode)
-
-    @property
     def is_idle(self) -> bool:
         return not (self.prefill or self.decode or self.close or self.acquire or self.release)
 

@@ -1,4 +1,4 @@
-"""The policy side never imports torch (STYLE §1): checked in a fresh interpreter."""
+"""The policy side never imports torch (`polylane/policy/__init__.py`): checked in a fresh interpreter."""
 
 from __future__ import annotations
 

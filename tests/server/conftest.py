@@ -93,6 +93,7 @@ def start_server(
     more: tuple[ModelDecl, ...] = (),
     metrics_public: bool = False,
     allowed_origins: tuple[str, ...] = (),
+    eviction: str = "lru",
 ) -> LiveServer:
     """`more`: models declared as they are (a file of the test's own) after `models`."""
     for name in models:
@@ -107,6 +108,7 @@ def start_server(
         limits=limits or Limits(),
         metrics_public=metrics_public,
         allowed_origins=allowed_origins,
+        eviction=eviction,
     )
     state = build_state(config, quiet=True)
     app = create_app(state)

@@ -60,9 +60,10 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from polylane.policy.eviction import DEFAULT_EVICTION, EVICTION_POLICIES, eviction_policy
+
 COLD, LOADING, RESIDENT = "cold", "loading", "resident"
 CAUSES = ("room", "budget", "explicit")
-EVICTION_POLICIES = ("lru", "cost")
 DEFAULT_RELOAD_BYTES_PER_SECOND = 1e9  # "cost" eviction: the assumed reload speed until one is measured
 
 
@@ -186,10 +187,10 @@ class ResidencyPool:
     Not thread-safe: the runtime holds one lock around every call.
     """
 
-    def __init__(self, budget_bytes: int, eviction: str = "lru") -> None:
+    def __init__(self, budget_bytes: int, eviction: str = DEFAULT_EVICTION) -> None:
         if eviction not in EVICTION_POLICIES:
             raise ResidencyError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}; got {eviction!r}")
-        self._eviction = eviction
+        self._policy = eviction_policy(eviction)
         self._inflation = 0.0  # "cost" eviction: L, the highest H of a model evicted for room or budget
         self._budget_bytes = _checked_bytes("budget", budget_bytes)
         self._models: dict[str, _Model] = {}
@@ -390,8 +391,8 @@ class ResidencyPool:
 
     @property
     def eviction(self) -> str:
-        """The eviction policy: "lru" or "cost"."""
-        return self._eviction
+        """The eviction policy's name (`policy/eviction.py`: "lru" or "cost")."""
+        return self._policy.name
 
     @property
     def inflation(self) -> float:
@@ -453,14 +454,12 @@ class ResidencyPool:
                 raise RuntimeError(f"{m.name} has reload cost {m.reload_seconds!r}")
             if m.frequency < 0 or (m.state != COLD and m.frequency == 0):
                 raise RuntimeError(f"{m.name} ({m.state}) has frequency {m.frequency}")
-            if self._eviction == "lru" and m.priority != 0.0:
-                raise RuntimeError(f"{m.name} has priority {m.priority} under LRU eviction")
             if not (math.isfinite(m.priority) and m.priority >= 0):
                 raise RuntimeError(f"{m.name} has priority {m.priority!r}")
         if not (math.isfinite(self._inflation) and self._inflation >= 0):
             raise RuntimeError(f"inflation is {self._inflation!r}")
-        if self._eviction == "lru" and self._inflation != 0.0:
-            raise RuntimeError(f"inflation is {self._inflation} under LRU eviction")
+        if not self._policy.inflates and self._inflation != 0.0:
+            raise RuntimeError(f"inflation is {self._inflation} under {self._policy.name} eviction")
         stamps = [m.last_used for m in in_memory]
         if len(set(stamps)) != len(stamps):
             raise RuntimeError(f"models in memory share LRU stamps: {sorted(stamps)}")
@@ -501,8 +500,9 @@ class ResidencyPool:
     def _touch(self, model: _Model) -> None:
         self._clock += 1
         model.last_used = self._clock
-        if self._eviction == "cost":
-            model.priority = self._inflation + model.frequency * self._seconds_per_byte(model)
+        model.priority = self._policy.priority(
+            self._inflation, model.frequency, self._seconds_per_byte(model)
+        )
 
     @staticmethod
     def _seconds_per_byte(model: _Model) -> float:
@@ -511,12 +511,9 @@ class ResidencyPool:
         return model.reload_seconds / max(model.bytes, 1)
 
     def _candidates(self) -> list[_Model]:
-        """Victims in eviction order: idle unpinned resident models, least recently used first
-        ("lru") or lowest priority first ("cost", ties by recency)."""
+        """Victims in eviction order: idle unpinned resident models, lowest rank first (the policy's)."""
         idle = (m for m in self._models.values() if m.state == RESIDENT and not m.pinned and not m.in_flight)
-        if self._eviction == "cost":
-            return sorted(idle, key=lambda m: (m.priority, m.last_used, m.order))
-        return sorted(idle, key=lambda m: (m.last_used, m.order))
+        return sorted(idle, key=lambda m: self._policy.rank(m.priority, m.last_used, m.order))
 
     def _victims_for(self, needed: int, budget: int) -> list[_Model] | None:
         """The victims to evict, in order, so that `needed` more bytes (may be <= 0) fit under
@@ -554,7 +551,7 @@ class ResidencyPool:
 
     def _drop(self, model: _Model, cause: str) -> Eviction:
         eviction = Eviction(model.name, model.bytes, cause, model.handle)
-        if self._eviction == "cost" and cause != "explicit":
+        if self._policy.inflates and cause != "explicit":
             self._inflation = max(self._inflation, model.priority)
         self._used_bytes -= model.bytes
         model.state, model.handle = COLD, None

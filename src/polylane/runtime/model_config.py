@@ -50,7 +50,3 @@ class ModelConfig:
     @property
     def has_sliding_layers(self) -> bool:
         return SLIDING in self.layer_types
-
-    def kv_bytes_per_token(self, element_size: int) -> int:
-        """Bytes of K and V that one token occupies across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size

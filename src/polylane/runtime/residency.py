@@ -32,6 +32,7 @@ import psutil
 import torch
 
 from polylane import catalog
+from polylane.policy.eviction import DEFAULT_EVICTION
 from polylane.policy.residency import (
     LOADING,
     Eviction,
@@ -145,14 +146,14 @@ class ResidencyManager:
         self,
         budget_bytes: int,
         *,
-        eviction: str = "lru",
+        eviction: str = DEFAULT_EVICTION,
         block_size: int = DEFAULT_BLOCK_SIZE,
         quiet: bool = True,
         prefix_cache: bool = True,
         device: str | torch.device = "auto",
     ) -> None:
-        """`eviction`: "lru" or "cost" (cost-aware, fed each model's measured load seconds); see
-        `policy.residency`. `prefix_cache`: give each loaded model's KV a prefix tree (off: every
+        """`eviction`: a policy of `policy/eviction.py` ("lru", or "cost": cost-aware, fed each
+        model's measured load seconds). `prefix_cache`: give each loaded model's KV a prefix tree (off: every
         prompt is prefilled in full, e.g. the `plain` bench baseline). `device`: where every model
         runs ("auto": CUDA when torch sees a GPU, else CPU; `runtime.device`)."""
         self.device = resolve_device(device)
@@ -285,6 +286,11 @@ class ResidencyManager:
     @property
     def budget_bytes(self) -> int:
         return self._pool.budget_bytes
+
+    @property
+    def eviction(self) -> str:
+        """The eviction policy's name (`policy/eviction.py`)."""
+        return self._pool.eviction
 
     def snapshot(self) -> list[ModelInfo]:
         with self._lock:

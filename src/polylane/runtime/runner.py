@@ -149,10 +149,6 @@ class Runner:
         evictable = kv.tree.num_evictable_blocks if kv.tree is not None else 0
         return kv.pool.num_free + evictable
 
-    def kv_capacity_tokens(self, model: str) -> int:
-        kv = self._kv(model)
-        return kv.pool.num_blocks * kv.block_size
-
     # ------------------------------------------------------------------ one step
 
     def execute(self, plan: StepPlan) -> StepResult:

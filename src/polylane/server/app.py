@@ -175,6 +175,7 @@ def build_state(config: ServerConfig, *, quiet: bool = False) -> ServerState:
         EngineConfig(
             budget_bytes=config.budget_bytes,
             scheduler=SchedulerConfig(lane_policy=config.lane_policy),
+            eviction=config.eviction,
             quiet=quiet,
             device=config.device,
             threads=config.threads,

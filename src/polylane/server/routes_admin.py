@@ -1,4 +1,4 @@
-"""Admin routes: load, pin, unpin and evict a model, set the byte budget, at runtime.
+"""Admin routes: load, pin, unpin and evict a model, read and set the byte budget, at runtime.
 
 What this module owns: mapping those operations onto the residency manager and its refusals onto
 clear statuses: unknown model 404; a refusal that leaves everything unchanged (no room, pinned,
@@ -73,6 +73,12 @@ async def evict(name: str, request: Request, force: bool = False) -> dict[str, A
     model = state.resolve(name)
     await run_in_threadpool(_run, state.engine.manager.evict, model, force)
     return await _model(request, model)
+
+
+@router.get("/budget")
+async def budget(request: Request) -> dict[str, Any]:
+    manager = server_state(request).engine.manager
+    return {"budget_bytes": manager.budget_bytes, "eviction": manager.eviction}
 
 
 @router.post("/budget")
