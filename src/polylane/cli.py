@@ -19,6 +19,7 @@ import sys
 from polylane import catalog
 from polylane.cli_generate import DEVICE_HELP
 from polylane.policy.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
+from polylane.policy.lane import LANE_POLICIES
 from polylane.server.logs import FORMATS, LEVELS
 from polylane.types import SAMPLING_FIELDS, WEIGHT_DTYPES, LoadError
 
@@ -138,7 +139,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         host=args.host or str(file_data.get("host", "127.0.0.1")),
         port=args.port or int(file_data.get("port", 8000)),
         api_key=args.api_key or file_data.get("api_key") or os.environ.get("POLYLANE_API_KEY") or None,
-        lane_policy=args.lane_policy or str(file_data.get("lane_policy", "throughput")),
+        lane_policy=server_config.choice(
+            "lane_policy", args.lane_policy, file_data, tuple(LANE_POLICIES), "throughput"
+        ),
         eviction=server_config.choice(
             "eviction", args.eviction, file_data, tuple(EVICTION_POLICIES), DEFAULT_EVICTION
         ),
@@ -277,9 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--metrics-public", action="store_true", help="/metrics answers without the API key (for a scraper)"
     )
-    serve.add_argument(
-        "--lane-policy", choices=["fcfs", "round-robin", "priority", "throughput"], help="decode lane policy"
-    )
+    serve.add_argument("--lane-policy", choices=list(LANE_POLICIES), help="decode lane policy")
     serve.add_argument(
         "--eviction",
         choices=list(EVICTION_POLICIES),

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-
-LANE_POLICIES = ("fcfs", "round-robin", "priority", "throughput")
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -31,6 +30,69 @@ class LaneCandidate:
     order: int  # registration order of the model (the deterministic tie-break)
     oldest_ready_step: int  # the step at which its longest-waiting request got its last token
     priority: int  # the highest priority among its ready requests
+
+
+@dataclass(frozen=True)
+class LaneOwner:
+    """The model that owned the lane at the last decode step, and for how many steps in a row."""
+
+    model: str | None = None
+    order: int = -1
+    held: int = 0
+
+
+class LaneRule(Protocol):
+    """A lane policy: the lane owner for this step, from the candidates (never empty), the last
+    owner, the step number and the policy's settings (`quantum`, `aging_steps`)."""
+
+    def __call__(
+        self, candidates: list[LaneCandidate], owner: LaneOwner, step: int, settings: LanePolicy
+    ) -> str: ...
+
+
+def _oldest(candidates: list[LaneCandidate]) -> str:
+    return min(candidates, key=lambda c: (c.oldest_ready_step, c.order)).model
+
+
+def _fcfs(candidates: list[LaneCandidate], owner: LaneOwner, step: int, settings: LanePolicy) -> str:
+    return _oldest(candidates)
+
+
+def _round_robin(candidates: list[LaneCandidate], owner: LaneOwner, step: int, settings: LanePolicy) -> str:
+    if owner.model is None:
+        return _oldest(candidates)
+    ordered = sorted(candidates, key=lambda c: c.order)
+    later = [c for c in ordered if c.order > owner.order]
+    return (later or ordered)[0].model
+
+
+def _priority(candidates: list[LaneCandidate], owner: LaneOwner, step: int, settings: LanePolicy) -> str:
+    def rank(c: LaneCandidate) -> tuple[int, int, int]:
+        return (
+            c.priority + (step - c.oldest_ready_step) // settings.aging_steps,
+            -c.oldest_ready_step,
+            -c.order,
+        )
+
+    return max(candidates, key=rank).model
+
+
+def _throughput(candidates: list[LaneCandidate], owner: LaneOwner, step: int, settings: LanePolicy) -> str:
+    others = [c for c in candidates if c.model != owner.model]
+    owner_ready = owner.model is not None and len(others) < len(candidates)
+    if owner_ready and (owner.held < settings.quantum or not others):
+        return owner.model  # type: ignore[return-value]
+    return _oldest(others)
+
+
+# The lane policies by name (the module docstring has their rules): a new policy is one function
+# and one entry here; SchedulerConfig, the server config and `serve --lane-policy` read this.
+LANE_POLICIES: dict[str, LaneRule] = {
+    "fcfs": _fcfs,
+    "round-robin": _round_robin,
+    "priority": _priority,
+    "throughput": _throughput,
+}
 
 
 class LanePolicy:
@@ -46,46 +108,12 @@ class LanePolicy:
         self.name = name
         self.quantum = quantum
         self.aging_steps = aging_steps
+        self._rule = LANE_POLICIES[name]
 
     def choose(self, candidates: list[LaneCandidate], owner: LaneOwner, step: int) -> str:
         if not candidates:
             raise ValueError("no model has requests ready to decode")
-        if self.name == "fcfs":
-            return _oldest(candidates)
-        if self.name == "round-robin":
-            ordered = sorted(candidates, key=lambda c: c.order)
-            if owner.model is None:
-                return _oldest(candidates)
-            later = [c for c in ordered if c.order > owner.order]
-            return (later or ordered)[0].model
-        if self.name == "priority":
-            return max(
-                candidates,
-                key=lambda c: (
-                    c.priority + (step - c.oldest_ready_step) // self.aging_steps,
-                    -c.oldest_ready_step,
-                    -c.order,
-                ),
-            ).model
-        # throughput
-        others = [c for c in candidates if c.model != owner.model]
-        owner_ready = owner.model is not None and len(others) < len(candidates)
-        if owner_ready and (owner.held < self.quantum or not others):
-            return owner.model  # type: ignore[return-value]
-        return _oldest(others)
-
-
-@dataclass(frozen=True)
-class LaneOwner:
-    """The model that owned the lane at the last decode step, and for how many steps in a row."""
-
-    model: str | None = None
-    order: int = -1
-    held: int = 0
-
-
-def _oldest(candidates: list[LaneCandidate]) -> str:
-    return min(candidates, key=lambda c: (c.oldest_ready_step, c.order)).model
+        return self._rule(candidates, owner, step, self)
 
 
 @dataclass
