@@ -19,6 +19,7 @@ from typing import Any
 from polylane import catalog
 from polylane.bench.systems import BASELINES, DEFAULT_BASELINES, SPEC_MODES, VARIANT_PREFIX, with_mode
 from polylane.bench.workloads import DEFAULTS, PROMPT_CATEGORIES, SPEC_CATEGORIES, WORKLOADS
+from polylane.policy.lane import LANE_POLICIES
 from polylane.types import DEFAULT_DTYPE, WEIGHT_DTYPES
 
 SMALL_MODELS = ("smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-instruct")
@@ -143,7 +144,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="KV cache tokens per model (default 2048; shared-prefix --cross-model: 4 × (prompt + 64))",
     )
     bench.add_argument(
-        "--lane-policy", default="throughput", choices=["fcfs", "round-robin", "priority", "throughput"]
+        "--lane-policy", default="throughput", choices=list(LANE_POLICIES)
     )
     bench.add_argument(
         "--drafter",
