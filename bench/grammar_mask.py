@@ -138,5 +138,6 @@ def main() -> None:
             f"| {statistics.median(costs) * 1e6:.1f} | {p95 * 1e6:.1f} |"
         )
 
+
 if __name__ == "__main__":
     main()

@@ -143,9 +143,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         type=int,
         help="KV cache tokens per model (default 2048; shared-prefix --cross-model: 4 × (prompt + 64))",
     )
-    bench.add_argument(
-        "--lane-policy", default="throughput", choices=list(LANE_POLICIES)
-    )
+    bench.add_argument("--lane-policy", default="throughput", choices=list(LANE_POLICIES))
     bench.add_argument(
         "--drafter",
         help="transformers-assisted: the assistant model (default: polylane's drafter model when "
