@@ -44,7 +44,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 def _cmd_models_inspect(args: argparse.Namespace) -> int:
     from polylane.policy.layer_share import shared_band
-    from polylane.runtime.digests import digest_of
+    from polylane.runtime.loaded_model import digest_of
 
     first, second = (digest_of(name, args.dtype, quiet=False) for name in (args.a, args.b))
     band = shared_band(first, second)

@@ -201,16 +201,3 @@ def save_digest(source: catalog.ModelSource, dtype: str | torch.dtype, digest: M
     if write_atomically(target, json.dumps(record, indent=1), "model digests"):
         # (temporary model folders, e.g. of tests, leave entries that are never read again)
         keep_most_recent(target.parent, "*.json", MAX_CACHED_DIGESTS)
-
-
-def digest_of(name_or_path: str, dtype: str = "fp32", *, quiet: bool = True) -> ModelDigest:
-    """A model's digests: from the cache when this file was digested before, else by loading it
-    (which caches them)."""
-    from polylane.runtime.loaded_model import load_model
-
-    source = catalog.resolve(name_or_path, quiet=quiet)
-    digest = cached_digest(source, dtype)
-    if digest is None:
-        digest = load_model(name_or_path, dtype, quiet=quiet, device="cpu").digest  # (hashed on the host)
-        assert digest is not None
-    return digest

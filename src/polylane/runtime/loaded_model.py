@@ -14,7 +14,7 @@ from polylane.runtime.block_weights import BlockKernelsUnavailable, formats_summ
 from polylane.runtime.block_weights import isa_name as block_isa_name
 from polylane.runtime.converted import converted_path, load_converted, save_converted
 from polylane.runtime.device import model_device, place_model, resolve_device
-from polylane.runtime.digests import model_digest
+from polylane.runtime.digests import cached_digest, model_digest
 from polylane.runtime.gguf_in_place import load_gguf_in_place
 from polylane.runtime.loader import (
     IN_PLACE_ACTIVATION_BITS,
@@ -211,3 +211,14 @@ def _load_weights(
         weights = load_weights(source.path, source.format, dtype, progress=not quiet)
         save_converted(weights, target)
     return weights
+
+
+def digest_of(name_or_path: str, dtype: str = "fp32", *, quiet: bool = True) -> ModelDigest:
+    """A model's digests: from the cache when this file was digested before, else by loading it
+    (which caches them)."""
+    source = catalog.resolve(name_or_path, quiet=quiet)
+    digest = cached_digest(source, dtype)
+    if digest is None:
+        digest = load_model(name_or_path, dtype, quiet=quiet, device="cpu").digest  # (hashed on the host)
+        assert digest is not None
+    return digest

@@ -35,7 +35,8 @@ import torch
 
 from polylane import catalog
 from polylane.policy.layer_share import SharedBand, shared_band
-from polylane.runtime.model_config import SLIDING, ModelConfig
+from polylane.runtime.model_config import ModelConfig
+from polylane.runtime.models import ARCHITECTURES
 
 log = logging.getLogger(__name__)
 
@@ -227,32 +228,10 @@ def hf_config_dict(config: ModelConfig, tokenizer: Any = None) -> dict[str, Any]
     }
     if tokenizer is not None:
         fields.update(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-    if config.architecture == "llama":
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", **fields}
-    if config.architecture == "qwen2":
-        return {
-            "architectures": ["Qwen2ForCausalLM"],
-            "model_type": "qwen2",
-            "hidden_act": "silu",
-            "use_sliding_window": False,
-            **fields,
-        }
-    if config.architecture == "gemma3":
-        scalar = (config.attention_scale or config.head_dim**-0.5) ** -2
-        return {
-            "architectures": ["Gemma3ForCausalLM"],
-            "model_type": "gemma3_text",
-            "hidden_activation": "gelu_pytorch_tanh",
-            "layer_types": [
-                "sliding_attention" if kind == SLIDING else "full_attention" for kind in config.layer_types
-            ],
-            "sliding_window": config.sliding_window,
-            "rope_local_base_freq": config.rope_local_theta,
-            "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-9 else scalar,
-            "final_logit_softcapping": config.final_logit_softcap,
-            **fields,
-        }
-    raise SiblingError(f"cannot write a config.json for architecture {config.architecture!r}")
+    architecture = ARCHITECTURES.get(config.architecture)
+    if architecture is None:
+        raise SiblingError(f"cannot write a config.json for architecture {config.architecture!r}")
+    return architecture[1].hf_config(config, fields)
 
 
 def _check_config(folder: Path, config: ModelConfig) -> None:

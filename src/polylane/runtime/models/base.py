@@ -6,6 +6,8 @@ single forward entry point over a flat batch (`forward(batch, kv_cache)`).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -13,7 +15,26 @@ from polylane.runtime.batch import ForwardBatch
 from polylane.runtime.kv_cache import PagedKVCache
 from polylane.runtime.layers import ForwardContext, Projection, RMSNorm, RotaryTable, linear
 from polylane.runtime.model_config import GLOBAL, SLIDING, ModelConfig
-from polylane.runtime.native.stack import NativeStack
+
+
+class ForwardBackend(Protocol):
+    """The layer stack run outside torch (the native stack, `runtime/native/stack.py`), chosen at load
+    by `runtime/loaded_model.py`: the model class calls it without knowing what it is."""
+
+    def forward(
+        self,
+        model: DecoderModel,
+        batch: ForwardBatch,
+        cache: PagedKVCache,
+        start_layer: int = 0,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """The batch's logits with its K/V written, or None where the backend does not take it."""
+        ...
+
+    def split(self, batch: ForwardBatch) -> tuple[list[int], list[int]] | None:
+        """(chunks for the backend, chunks for torch) of a batch `forward` did not take, or None."""
+        ...
 
 
 class DecoderModel(nn.Module):
@@ -34,8 +55,8 @@ class DecoderModel(nn.Module):
         self.vocab_columns: nn.Parameter | None = None
         self.weight_dtype = torch.float32
         self._rotary: dict[str, RotaryTable] = {}
-        # the whole stack in one C call where the model allows it (Llama/Qwen2: runtime/native)
-        self.native_stack: NativeStack | None = None
+        # the whole stack in one C call where the model allows it, set at load (runtime/native)
+        self.native_stack: ForwardBackend | None = None
 
     def choose_layouts(self, dtype: torch.dtype) -> set[str]:
         """Decide run-time weight layouts before loading (on the meta device).

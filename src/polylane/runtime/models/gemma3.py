@@ -45,6 +45,8 @@ class Gemma3Model(DecoderModel):
     gemma_norms = True
 
 
+# The native layer stack (runtime/native/decoder.c) computes this architecture; False: torch only.
+NATIVE_STACK = True
 GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -100,6 +102,24 @@ def _local_rope_theta(cfg: dict[str, Any]) -> float:
     if "sliding_attention" in (cfg.get("rope_parameters") or {}):
         return float(rope_parameters(cfg, "sliding_attention")["rope_theta"])
     return float(cfg.get("rope_local_base_freq", LOCAL_ROPE_THETA))
+
+
+def hf_config(config: ModelConfig, fields: dict[str, Any]) -> dict[str, Any]:
+    """llama.hf_config for Gemma 3 (its sliding layers, local RoPE base, attention scalar, soft cap)."""
+    scalar = (config.attention_scale or config.head_dim**-0.5) ** -2
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": [
+            "sliding_attention" if kind == SLIDING else "full_attention" for kind in config.layer_types
+        ],
+        "sliding_window": config.sliding_window,
+        "rope_local_base_freq": config.rope_local_theta,
+        "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-9 else scalar,
+        "final_logit_softcapping": config.final_logit_softcap,
+        **fields,
+    }
 
 
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:

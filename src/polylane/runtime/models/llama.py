@@ -31,6 +31,8 @@ class LlamaModel(DecoderModel):
 
 
 # GGUF block tensor → Hugging Face name (after "model.layers.{i}.").
+# The native layer stack (runtime/native/decoder.c) computes this architecture; False: torch only.
+NATIVE_STACK = True
 GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -65,6 +67,12 @@ def config_from_gguf(meta: dict[str, Any], arch: str = "llama", **overrides: Any
     )
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+def hf_config(config: ModelConfig, fields: dict[str, Any]) -> dict[str, Any]:
+    """A Hugging Face config.json of this architecture: `fields` (the sizes every one has) and its
+    own keys (`runtime/siblings.py` writes it)."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", **fields}
 
 
 def config_from_hf(cfg: dict[str, Any], **overrides: Any) -> ModelConfig:

@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
+import polylane.runtime.models.llama as llama
 from polylane.runtime.model_config import ModelConfig
-from polylane.runtime.models import llama
 from polylane.runtime.models.base import DecoderModel
 
 
@@ -15,11 +15,19 @@ class Qwen2Model(DecoderModel):
     layer_class = llama.LlamaLayer
 
 
+# The native layer stack (runtime/native/decoder.c) computes this architecture; False: torch only.
+NATIVE_STACK = True
 GGUF_LAYER_NAMES = llama.GGUF_LAYER_NAMES
 
 
 def config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
     return llama.config_from_gguf(meta, arch="qwen2", qkv_bias=True)
+
+
+def hf_config(config: ModelConfig, fields: dict[str, Any]) -> dict[str, Any]:
+    """llama.hf_config for Qwen2."""
+    model = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu"}
+    return {**model, "use_sliding_window": False, **fields}
 
 
 def config_from_hf(cfg: dict[str, Any]) -> ModelConfig:

@@ -37,8 +37,10 @@ from polylane.runtime.int4_layout import packing_layout
 from polylane.runtime.kv_cache import PagedKVCache
 from polylane.runtime.layers import Projection
 from polylane.runtime.model_config import GLOBAL, SLIDING, ModelConfig
+from polylane.runtime.models import ARCHITECTURES
 from polylane.runtime.native import abi
 from polylane.runtime.native.build import load_library
+from polylane.runtime.quantize import QuantizedProjection
 from polylane.types import SequenceChunk
 
 log = logging.getLogger(__name__)
@@ -201,7 +203,8 @@ def runs_natively(config: ModelConfig) -> bool:
 
 
 def _config_reason(config: ModelConfig) -> str | None:
-    if config.architecture not in ("llama", "qwen2", "gemma3"):
+    architecture = ARCHITECTURES.get(config.architecture)
+    if architecture is None or not architecture[1].NATIVE_STACK:
         return f"architecture {config.architecture}"
     if config.activation not in ACTIVATIONS:
         return f"activation {config.activation}"
@@ -242,8 +245,6 @@ def _described(kind, weight, scales, bias, in_features, out_features, keep: list
 def describe(projection: nn.Module, keep: list[torch.Tensor]) -> Matrix:
     """Any projection of a model (int4, int8, bf16 or float32) as the C code reads it; `keep` collects
     the tensors the description points into. ValueError where no native kernel fits."""
-    from polylane.runtime.quantize import QuantizedProjection
-
     if isinstance(projection, BlockProjection | BlockEmbedding):
         return _blocks_matrix(projection)
     if kernel_name() is None:
