@@ -28,7 +28,7 @@ from typing import Any
 from polylane import catalog
 from polylane.engine_stats import EngineStats, StatsRecorder
 from polylane.policy.eviction import DEFAULT_EVICTION
-from polylane.policy.residency import NoRoomError, ResidencyError
+from polylane.policy.residency import NoRoomError, ResidencyError, UnknownModelError
 from polylane.policy.scheduler import Scheduler, SchedulerConfig
 from polylane.policy.spec_control import SpeculationConfig
 from polylane.policy.stop_strings import StopStringMatcher
@@ -46,14 +46,6 @@ from polylane.runtime.tokenizer import ChatTemplateError, Tokenizer, load_tokeni
 from polylane.types import DEFAULT_DTYPE, SamplingDefaults, SamplingParams, StepPlan, StepResult, TokenLogprob
 
 log = logging.getLogger(__name__)
-
-
-class UnknownModelError(LookupError):
-    """A request named a model the engine does not serve."""
-
-    def __init__(self, model: str, served: Sequence[str]) -> None:
-        self.model, self.served = model, tuple(served)
-        super().__init__(f"model {model!r} is not served here (served: {', '.join(served) or 'none'})")
 
 
 class RequestTooLongError(ValueError):

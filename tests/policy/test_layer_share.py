@@ -160,7 +160,7 @@ def test_peek_returns_cached_whole_blocks_without_lease_split_or_stats() -> None
     assert tree.peek_blocks([0, 1, 2, 3, 7, 7, 7, 7]) == tuple(blocks[:1]), "match ends inside an edge"
     assert tree.peek_blocks([5, 5, 5, 5]) == ()
     assert [pool.ref_count(b) for b in blocks] == refs, "peek took pool references"
-    assert tree.num_leases == 0
+    assert tree.num_locks == 0
     after = tree.stats
     assert (after.lookups, after.matched_tokens) == (before.lookups, before.matched_tokens)
     tree.validate()

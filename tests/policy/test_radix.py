@@ -1,4 +1,4 @@
-"""PrefixTree: hand cases for match / insert / split / evict / budget / leases, and a stateful
+"""PrefixTree: hand cases for match / insert / split / evict / budget / locks, and a stateful
 property test against a reference dict of cached block-aligned prefixes.
 
 The reference is the contract of `policy.radix`: the tree caches a prefix-closed set of whole-block
@@ -62,7 +62,7 @@ def test_empty_tree_matches_nothing() -> None:
     match = tree.match(toks(1, 2))
     assert (match.num_tokens, match.blocks) == (0, ()), f"{match}"
     tree.release(match)
-    assert pool.num_free == 16 and tree.num_leases == 0, f"{pool.num_free} free, {tree.num_leases} leases"
+    assert pool.num_free == 16 and tree.num_locks == 0, f"{pool.num_free} free, {tree.num_locks} locks"
 
 
 def test_insert_then_match_whole_blocks() -> None:
@@ -88,9 +88,9 @@ def test_match_ending_inside_a_block_returns_only_full_blocks() -> None:
     assert match.blocks == tuple(blocks[:2]), f"{match.blocks}, expected {blocks[:2]}"
     short = tree.match(toks(1)[:3])
     assert short.num_tokens == 0 and short.blocks == (), f"3-token prompt matched {short}"
-    for lease in (match, short):
-        tree.release(lease)
-        pool.free(lease.blocks)
+    for lock in (match, short):
+        tree.release(lock)
+        pool.free(lock.blocks)
     tree.validate()
 
 
@@ -102,7 +102,7 @@ def test_partial_match_goes_into_one_more_block_and_leases_it() -> None:
     assert match.num_tokens == 10, f"matched {match.num_tokens}, expected 8 whole + 2 of block 3"
     assert match.blocks == tuple(blocks), f"{match.blocks}, expected {blocks} (the third in part)"
     assert refs(pool, blocks) == [2, 2, 2], f"refs {refs(pool, blocks)}: the caller shares all three"
-    assert tree.evict(100) == 0, "a block read in part must be leased like the rest"
+    assert tree.evict(100) == 0, "a block read in part must be locked like the rest"
     assert tree.stats.matched_tokens == 10, f"{tree.stats}"
     tree.release(match)
     pool.free(match.blocks)
@@ -115,7 +115,7 @@ def test_partial_match_splits_a_long_edge_after_the_partial_block() -> None:
     blocks, _ = insert_fresh(pool, tree, toks(1, 2, 3))  # one edge of three blocks
     match = tree.match(toks(1)[:3], partial=True)  # ends inside the very first block
     assert match.num_tokens == 3 and match.blocks == (blocks[0],), f"{match}"
-    assert tree.evict(100) == 2, f"{tree.stats}: the blocks past the leased first one may go"
+    assert tree.evict(100) == 2, f"{tree.stats}: the blocks past the locked first one may go"
     assert refs(pool, blocks[:1]) == [2], f"refs {refs(pool, blocks[:1])}: tree and caller hold block 1"
     tree.release(match)
     pool.free(match.blocks)
@@ -130,9 +130,9 @@ def test_partial_match_picks_the_child_sharing_most_tokens() -> None:
     assert match.num_tokens == 3 and match.blocks == (second[0],), f"{match}, expected 3 tokens of {second}"
     miss = tree.match([5, 6, 7], partial=True)
     assert miss.num_tokens == 0 and miss.blocks == (), f"{miss}"
-    for lease in (match, miss):
-        tree.release(lease)
-        pool.free(lease.blocks)
+    for lock in (match, miss):
+        tree.release(lock)
+        pool.free(lock.blocks)
     tree.validate()
 
 
@@ -142,10 +142,10 @@ def test_match_inside_an_edge_splits_it_at_the_block_boundary() -> None:
     match = tree.match(toks(1, 2, 7))
     assert match.num_tokens == 8 and match.blocks == tuple(blocks[:2]), f"{match}"
     tree.validate()
-    # The lease covers exactly the two matched blocks: the third is evictable, the others are not.
+    # The lock covers exactly the two matched blocks: the third is evictable, the others are not.
     assert tree.num_evictable_blocks == 1, f"{tree.num_evictable_blocks} evictable, expected 1"
     freed = tree.evict(10)
-    assert freed == 1, f"evicted {freed}, expected only the unleased third block"
+    assert freed == 1, f"evicted {freed}, expected only the unlocked third block"
     assert tree.num_cached_tokens(toks(1, 2, 3)) == 8, f"{tree.num_cached_tokens(toks(1, 2, 3))} cached"
     assert pool.ref_count(blocks[2]) == 0, f"block {blocks[2]} has {pool.ref_count(blocks[2])} owners"
     tree.release(match)
@@ -192,7 +192,7 @@ def test_request_that_reuses_a_match_caches_only_its_new_suffix() -> None:
     assert match.num_tokens == 8 and newly_cached == 8, f"matched {match.num_tokens}, cached {newly_cached}"
     assert blocks[:2] == base, f"the request's table starts {blocks[:2]}, the cached blocks are {base}"
     assert refs(pool, blocks) == [1, 1, 1, 1, 0], f"refs {refs(pool, blocks)} (tail block freed)"
-    assert tree.num_leases == 0 and tree.num_cached_blocks == 4, f"{tree.stats}"
+    assert tree.num_locks == 0 and tree.num_cached_blocks == 4, f"{tree.stats}"
     tree.validate()
 
 
@@ -211,7 +211,7 @@ def test_num_cached_tokens_is_read_only() -> None:
     tree.validate()
 
 
-# ---------------------------------------------------------------- eviction and leases
+# ---------------------------------------------------------------- eviction and locks
 
 
 def test_evict_least_recently_used_leaf_first() -> None:
@@ -257,8 +257,8 @@ def test_leased_blocks_survive_eviction() -> None:
     match = tree.match(toks(1, 2))
     freed = tree.evict(100)
     assert freed == 2, f"evicted {freed}, expected 2 (block 3 of the branch and [5])"
-    assert tree.num_cached_tokens(toks(1, 2, 3)) == 8, "the leased prefix was evicted"
-    assert refs(pool, blocks[:2]) == [2, 2], f"leased refs {refs(pool, blocks[:2])}"
+    assert tree.num_cached_tokens(toks(1, 2, 3)) == 8, "the locked prefix was evicted"
+    assert refs(pool, blocks[:2]) == [2, 2], f"locked refs {refs(pool, blocks[:2])}"
     tree.release(match)
     assert tree.evict(100) == 2, f"{tree.stats}: the released prefix should now be evictable"
     assert refs(pool, blocks[:2]) == [1, 1], f"refs {refs(pool, blocks[:2])}: the caller still holds them"
@@ -329,17 +329,17 @@ def test_budget_full_of_leases_caches_only_what_fits() -> None:
     assert newly_cached == 4, f"{newly_cached} tokens newly cached, expected 4 (one block of room)"
     assert tree.stats.dropped_tokens == 4, f"{tree.stats.dropped_tokens} tokens dropped, expected 4"
     _, newly_cached = insert_fresh(pool, tree, toks(5))
-    assert newly_cached == 4, f"{newly_cached}: the unleased [3] should make room for [5]"
+    assert newly_cached == 4, f"{newly_cached}: the unlocked [3] should make room for [5]"
     match_two = tree.match(toks(5))
     _, newly_cached = insert_fresh(pool, tree, toks(6))
     assert newly_cached == 0 and tree.stats.dropped_tokens == 8, (
-        f"{newly_cached} cached, {tree.stats.dropped_tokens} dropped with everything leased"
+        f"{newly_cached} cached, {tree.stats.dropped_tokens} dropped with everything locked"
     )
     assert tree.num_cached_blocks == 3 and tree.stats.evicted_blocks == 1, f"{tree.stats}"
-    assert tree.num_cached_tokens(toks(1, 2)) == 8, "a leased prefix was evicted for the budget"
-    for lease in (match, match_two):
-        tree.release(lease)
-        pool.free(lease.blocks)
+    assert tree.num_cached_tokens(toks(1, 2)) == 8, "a locked prefix was evicted for the budget"
+    for lock in (match, match_two):
+        tree.release(lock)
+        pool.free(lock.blocks)
     tree.validate()
 
 
@@ -358,16 +358,16 @@ def test_budget_never_evicts_the_prefix_being_extended() -> None:
 @pytest.mark.parametrize("budget", [0, 1, 2, 5])
 def test_budget_is_never_exceeded(budget: int) -> None:
     pool, tree = make_tree(num_blocks=32, budget=budget)
-    leases = []
+    locks = []
     for step, label in enumerate((1, 2, 3, 1, 4, 5, 2, 6)):
         complete(pool, tree, toks(label, label + 10, label + 20))
         if step % 3 == 0:
-            leases.append(tree.match(toks(label, label + 10)))
+            locks.append(tree.match(toks(label, label + 10)))
         assert tree.num_cached_blocks <= budget, f"step {step}: {tree.num_cached_blocks} cached > {budget}"
         tree.validate()
-    for lease in leases:
-        tree.release(lease)
-        pool.free(lease.blocks)
+    for lock in locks:
+        tree.release(lock)
+        pool.free(lock.blocks)
     tree.evict(32)
     assert pool.num_free == 32, f"{pool.num_free} of 32 free after draining"
 
@@ -393,7 +393,7 @@ def test_aborted_request_never_enters_the_tree_and_frees_its_blocks() -> None:
     assert tree.num_cached_tokens(prompt) == 8, f"{tree.num_cached_tokens(prompt)} tokens cached after abort"
     stats = tree.stats
     assert (stats.cached_blocks, stats.inserted_tokens) == (stats_before.cached_blocks, 8), f"{stats}"
-    assert pool.num_free == free_before and tree.num_leases == 0, f"{pool.num_free} free, was {free_before}"
+    assert pool.num_free == free_before and tree.num_locks == 0, f"{pool.num_free} free, was {free_before}"
     tree.evict(16)
     assert pool.num_free == 16, f"{pool.num_free} of 16 free"
 
@@ -429,7 +429,7 @@ def test_stats_count_lookups_and_hit_rate() -> None:
     assert (stats.lookups, stats.prompt_tokens, stats.matched_tokens) == (3, 28, 12), f"{stats}"
     assert stats.hit_rate == pytest.approx(12 / 28), f"hit rate {stats.hit_rate}, expected {12 / 28}"
     assert (stats.inserted_tokens, stats.cached_blocks, stats.namespace) == (12, 3, "m"), f"{stats}"
-    assert (stats.evicted_blocks, stats.leased_blocks) == (0, 0), f"{stats}"
+    assert (stats.evicted_blocks, stats.locked_blocks) == (0, 0), f"{stats}"
 
 
 # ---------------------------------------------------------------- stateful property test
@@ -450,7 +450,7 @@ class PrefixTreeMachine(RuleBasedStateMachine):
     `cached` maps each block-aligned prefix the tree should hold to the block of its last block;
     `ever_inserted` keeps every prefix ever cached. Evictions are not modelled in LRU order: after
     one, the prefixes the tree lost are read back and checked (as many as evicted, closed under
-    extension, none leased or on the path being extended) and dropped from `cached`.
+    extension, none locked or on the path being extended) and dropped from `cached`.
     """
 
     requests = Bundle("requests")
@@ -465,7 +465,7 @@ class PrefixTreeMachine(RuleBasedStateMachine):
         self.size, self.budget = block_size, budget
         self.cached: dict[tuple[int, ...], int] = {}
         self.ever_inserted: set[tuple[int, ...]] = set()
-        self.running: dict[int, Running] = {}  # lease id → request
+        self.running: dict[int, Running] = {}  # lock id → request
 
     def _prefixes(self, tokens: tuple[int, ...], num_blocks: int) -> list[tuple[int, ...]]:
         return [tokens[: (i + 1) * self.size] for i in range(num_blocks)]
@@ -506,7 +506,7 @@ class PrefixTreeMachine(RuleBasedStateMachine):
         assert not matched_prefix or matched_prefix in self.ever_inserted, f"{matched_prefix} never inserted"
         need = self.pool.blocks_for(len(tokens)) - len(match.blocks)
         request = Running(tokens, match, match.blocks)
-        self.running[match.lease_id] = request
+        self.running[match.lock_id] = request
         if need > self.pool.num_free:  # the scheduler makes room from the cache first
             evictable = self._evictable(self._leased_prefixes())
             assert self.tree.num_evictable_blocks == evictable, (
@@ -525,13 +525,13 @@ class PrefixTreeMachine(RuleBasedStateMachine):
         return request
 
     def _end(self, request: Running) -> None:
-        del self.running[request.match.lease_id]
+        del self.running[request.match.lock_id]
         self.tree.release(request.match)
         self.pool.free(request.blocks)
 
     @rule(request=consumes(requests))
     def finish_request(self, request: Running) -> None:
-        if request.match.lease_id not in self.running:
+        if request.match.lock_id not in self.running:
             return  # ended by drain_everything
         num_blocks = len(request.tokens) // self.size
         full = self._prefixes(request.tokens, num_blocks)
@@ -560,7 +560,7 @@ class PrefixTreeMachine(RuleBasedStateMachine):
 
     @rule(request=consumes(requests))
     def abort_request(self, request: Running) -> None:
-        if request.match.lease_id not in self.running:
+        if request.match.lock_id not in self.running:
             return
         held_before = self.tree.held_blocks()
         self._end(request)
@@ -585,7 +585,7 @@ class PrefixTreeMachine(RuleBasedStateMachine):
         self.tree.evict(NUM_BLOCKS)
         self._forget_evicted(len(self.cached), set())
         assert self.pool.num_free == NUM_BLOCKS, f"{self.pool.num_free} of {NUM_BLOCKS} free after draining"
-        assert self.tree.num_cached_blocks == 0 and self.tree.num_leases == 0, f"{self.tree.stats}"
+        assert self.tree.num_cached_blocks == 0 and self.tree.num_locks == 0, f"{self.tree.stats}"
 
     @invariant()
     def ref_counts_are_tree_plus_requests(self) -> None:
@@ -607,9 +607,7 @@ class PrefixTreeMachine(RuleBasedStateMachine):
     def tree_matches_reference(self) -> None:
         held = self.tree.held_blocks()
         assert held == set(self.cached.values()), f"tree holds {sorted(held)}, reference {self.cached}"
-        assert self.tree.num_leases == len(self.running), (
-            f"{self.tree.num_leases} leases, {len(self.running)}"
-        )
+        assert self.tree.num_locks == len(self.running), f"{self.tree.num_locks} locks, {len(self.running)}"
         if self.budget is not None:
             assert len(held) <= self.budget, f"{len(held)} cached over a budget of {self.budget}"
         self.tree.validate()

@@ -349,7 +349,7 @@ def test_counters_count_hits_misses_evictions_and_loaded_bytes() -> None:
 
 def test_errors_name_the_problem() -> None:
     pool = pool_with(100, a=40)
-    with pytest.raises(UnknownModelError, match="unknown model 'zzz'; registered: 'a'"):
+    with pytest.raises(UnknownModelError, match=r"model 'zzz' is not served here \(served: a\)"):
         pool.begin_load("zzz")
     with pytest.raises(ResidencyError, match="already registered"):
         pool.register("a", 1)

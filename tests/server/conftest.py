@@ -201,7 +201,7 @@ def blocks_held(state: ServerState) -> dict[str, tuple[int, int]]:
         kv = kv_of(state, name)
         if kv is None:
             continue
-        held[name] = (kv.tree.num_leases, kv.pool.num_blocks - kv.pool.num_free - kv.tree.num_cached_blocks)
+        held[name] = (kv.tree.num_locks, kv.pool.num_blocks - kv.pool.num_free - kv.tree.num_cached_blocks)
     return held
 
 

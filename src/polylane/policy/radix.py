@@ -1,9 +1,9 @@
-"""Radix prefix tree over token ids → KV blocks (RadixAttention), with leases and LRU eviction.
+"""Radix prefix tree over token ids → KV blocks (RadixAttention), with locks and LRU eviction.
 
 What this module owns: the map from cached token prefixes to the block ids holding their KV, one
-pool reference per cached block, the lease counts that keep in-use prefixes from being evicted,
+pool reference per cached block, the lock counts that keep in-use prefixes from being evicted,
 the LRU clock, and hit statistics. What it does not own: the KV bytes (the runtime's paged cache),
-the blocks of running sequences (their block tables, in the scheduler), and the pool itself.
+the blocks of running sequences (their block tables, `runtime/model_kv.py`), and the pool itself.
 
 Keys are whole blocks. An edge holds a token tuple whose length is a multiple of
 `pool.block_size` and one block id per `block_size` tokens; a partial last block is never cached.
@@ -16,7 +16,7 @@ Ownership rules, for a caller that is the scheduler of one model:
 
 - The tree holds exactly one pool reference to every block it caches (taken by `insert` with
   `pool.share`, dropped by eviction with `pool.free`).
-- `match` is a lease. It takes one pool reference per matched block *for the caller* (the caller
+- `match` is a lock. It takes one pool reference per matched block *for the caller* (the caller
   now owns them, typically as the head of its sequence's block table, and frees them through
   `pool.free` like any other block of the sequence) and locks the matched nodes, so that they are
   not evicted while the sequence uses them. The caller gives the lock back with `release(match)`,
@@ -28,7 +28,7 @@ Ownership rules, for a caller that is the scheduler of one model:
   is already cached the tree keeps its own block and the caller's duplicate is simply not
   referenced, so the caller frees its whole block table as usual after inserting.
 - Eviction frees only the tree's reference. A block another owner still holds (a sequence that
-  released its lease early, a fork) stays allocated until that owner frees it.
+  released its lock early, a fork) stays allocated until that owner frees it.
 
 Not thread-safe: the engine thread owns the tree.
 """
@@ -45,7 +45,7 @@ from polylane.policy.blocks import BlockPool
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    """The longest cached prefix of a lookup, and the lease that holds it.
+    """The longest cached prefix of a lookup, and the lock that holds it.
 
     Without `partial`, `num_tokens` is a multiple of the block size: a match that would end inside
     a block stops at the block boundary before it. With it, the last of `blocks` may be used only
@@ -56,7 +56,7 @@ class PrefixMatch:
 
     num_tokens: int
     blocks: tuple[int, ...]
-    lease_id: int
+    lock_id: int
 
 
 @dataclass(frozen=True)
@@ -66,9 +66,9 @@ class PrefixTreeStats:
     lookups: calls to `match`. prompt_tokens: tokens looked up (all of them, partial blocks
     included). matched_tokens: tokens served from the cache. hit_rate: matched / prompt tokens
     (0.0 before any lookup). inserted_tokens: tokens newly cached by `insert`. dropped_tokens:
-    tokens `insert` left out because the `max_cached_blocks` budget was full of leased blocks.
+    tokens `insert` left out because the `max_cached_blocks` budget was full of locked blocks.
     evicted_blocks: tree references dropped by eviction (explicit or for the budget).
-    cached_blocks: blocks the tree holds now. leased_blocks: of those, blocks locked by a lease.
+    cached_blocks: blocks the tree holds now. locked_blocks: of those, blocks locked by a lock.
     """
 
     namespace: str
@@ -79,7 +79,7 @@ class PrefixTreeStats:
     dropped_tokens: int
     evicted_blocks: int
     cached_blocks: int
-    leased_blocks: int
+    locked_blocks: int
 
     @property
     def hit_rate(self) -> float:
@@ -93,7 +93,7 @@ class _Node:
     parent: _Node | None
     serial: int  # creation order: breaks LRU ties deterministically
     last_access: int = 0
-    lease_count: int = 0  # leases whose matched path runs through this node
+    lock_count: int = 0  # locks whose matched path runs through this node
     children: dict[tuple[int, ...], _Node] = field(default_factory=dict)  # keyed by first block
 
 
@@ -116,9 +116,9 @@ class PrefixTree:
         self._root = _Node(tokens=(), blocks=[], parent=None, serial=next(self._serials))
         self._clock = 0
         self._held: set[int] = set()  # blocks the tree holds one reference to
-        self._num_leased_blocks = 0
-        self._leases: dict[int, _Node] = {}  # lease id → deepest matched node (the root if none)
-        self._lease_ids = itertools.count()
+        self._num_locked_blocks = 0
+        self._locks: dict[int, _Node] = {}  # lock id → deepest matched node (the root if none)
+        self._lock_ids = itertools.count()
         self._lookups = 0
         self._prompt_tokens = 0
         self._matched_tokens = 0
@@ -134,12 +134,12 @@ class PrefixTree:
 
     @property
     def num_evictable_blocks(self) -> int:
-        """Cached blocks no lease locks: what `evict` can free right now, leaves first."""
-        return len(self._held) - self._num_leased_blocks
+        """Cached blocks no lock locks: what `evict` can free right now, leaves first."""
+        return len(self._held) - self._num_locked_blocks
 
     @property
-    def num_leases(self) -> int:
-        return len(self._leases)
+    def num_locks(self) -> int:
+        return len(self._locks)
 
     @property
     def stats(self) -> PrefixTreeStats:
@@ -152,7 +152,7 @@ class PrefixTree:
             dropped_tokens=self._dropped_tokens,
             evicted_blocks=self._evicted_blocks,
             cached_blocks=len(self._held),
-            leased_blocks=self._num_leased_blocks,
+            locked_blocks=self._num_locked_blocks,
         )
 
     def held_blocks(self) -> frozenset[int]:
@@ -160,7 +160,7 @@ class PrefixTree:
         return frozenset(self._held)
 
     def num_cached_tokens(self, token_ids: Sequence[int]) -> int:
-        """Length of the cached prefix of `token_ids` in whole blocks, without a lease.
+        """Length of the cached prefix of `token_ids` in whole blocks, without a lock.
 
         Read-only: no split, no LRU touch, no statistics. For estimates (admission cost); a caller
         that will use the blocks calls `match`.
@@ -172,7 +172,7 @@ class PrefixTree:
     def peek_blocks(self, token_ids: Sequence[int]) -> tuple[int, ...]:
         """The blocks of the cached whole-block prefix of `token_ids`, for another model to read.
 
-        No lease and no pool reference: the blocks are only valid until the tree changes, so the
+        No lock and no pool reference: the blocks are only valid until the tree changes, so the
         caller (the owner thread, e.g. a model reading a peer's KV through a shared layer band,
         `runtime.layer_share`) copies what it needs at once. No split and no statistics (the
         peer's hit rate stays its own); the nodes read are touched for LRU, as a reuse.
@@ -192,14 +192,14 @@ class PrefixTree:
     # ------------------------------------------------------------------ match / release
 
     def match(self, token_ids: Sequence[int], partial: bool = False) -> PrefixMatch:
-        """Lease the longest cached prefix of `token_ids`: whole blocks, and with `partial` the
+        """Lock the longest cached prefix of `token_ids`: whole blocks, and with `partial` the
         leading tokens of one more block (the cached block sharing most of the next tokens).
 
         The caller receives one pool reference per returned block and a lock on the matched nodes;
         see the module docstring. A match ending inside an edge splits the edge at that block
         boundary so that the lock covers exactly the matched blocks. The tree does not hold back the
         last prompt token: a caller that needs its logits matches `token_ids[:-1]`. Matching nothing
-        still returns a lease (of no blocks) to release.
+        still returns a lock (of no blocks) to release.
         """
         tokens = self._full_block_tokens(token_ids)
         self._clock += 1
@@ -222,19 +222,19 @@ class PrefixTree:
             path_node.last_access = self._clock
         self._lock(node)
         self.pool.share(blocks)
-        lease_id = next(self._lease_ids)
-        self._leases[lease_id] = node
+        lock_id = next(self._lock_ids)
+        self._locks[lock_id] = node
         self._lookups += 1
         self._prompt_tokens += len(token_ids)
         self._matched_tokens += num_tokens
-        return PrefixMatch(num_tokens=num_tokens, blocks=blocks, lease_id=lease_id)
+        return PrefixMatch(num_tokens=num_tokens, blocks=blocks, lock_id=lock_id)
 
     def release(self, match: PrefixMatch) -> None:
-        """Unlock the nodes `match` leased; once per match. The caller's block references are its
+        """Unlock the nodes `match` locked; once per match. The caller's block references are its
         own to free (`pool.free(match.blocks)` or with the rest of its block table)."""
-        node = self._leases.pop(match.lease_id, None)
+        node = self._locks.pop(match.lock_id, None)
         if node is None:
-            raise ValueError(f"lease {match.lease_id} is not held (released twice, or another tree's)")
+            raise ValueError(f"lock {match.lock_id} is not held (released twice, or another tree's)")
         self._unlock(node)
 
     # ------------------------------------------------------------------ insert
@@ -246,8 +246,8 @@ class PrefixTree:
         one block per full block of `token_ids` (a partial tail block, if any, is ignored). Blocks
         of prefixes already cached are not referenced (the tree keeps its own); for the new suffix
         the tree takes one reference per block (`pool.share`), so the caller frees its own
-        references as usual. With a `max_cached_blocks` budget, least recently used unleased leaves
-        are evicted to make room; if leases make that impossible, only the first blocks of the new
+        references as usual. With a `max_cached_blocks` budget, least recently used unlocked leaves
+        are evicted to make room; if locks make that impossible, only the first blocks of the new
         suffix that fit are cached (the return value is then short by the rest, also counted in
         `stats.dropped_tokens`). Raises ValueError, changing nothing, for a block table too short,
         a block that is free or out of range, or a new block that the tree already caches
@@ -301,8 +301,8 @@ class PrefixTree:
     def evict(self, num_blocks: int) -> int:
         """Drop the tree's reference to up to `num_blocks` blocks; return how many were dropped.
 
-        Least recently used unleased leaves go first, from the tail of their edge, and a parent
-        left without children becomes a candidate in turn. Leased nodes are never touched, so the
+        Least recently used unlocked leaves go first, from the tail of their edge, and a parent
+        left without children becomes a candidate in turn. Locked nodes are never touched, so the
         result is `min(num_blocks, num_evictable_blocks)`. `evict(0)` does nothing and returns 0.
         A dropped block returns to the pool's free list only if nobody else holds it.
         """
@@ -345,12 +345,12 @@ class PrefixTree:
         For tests and debugging: cost is linear in the tree's size.
         """
         seen: list[int] = []
-        lease_counts: dict[int, int] = {}
-        for node in self._leases.values():
+        lock_counts: dict[int, int] = {}
+        for node in self._locks.values():
             while node.parent is not None:
-                lease_counts[id(node)] = lease_counts.get(id(node), 0) + 1
+                lock_counts[id(node)] = lock_counts.get(id(node), 0) + 1
                 node = node.parent
-        leased_blocks = 0
+        locked_blocks = 0
         for node in self._nodes():
             if node is self._root:
                 continue
@@ -359,21 +359,21 @@ class PrefixTree:
             assert node.parent is not None
             if node.parent.children.get(node.tokens[: self.block_size]) is not node:
                 raise RuntimeError(f"node {node.serial} is not its parent's child under its first block")
-            if node.lease_count != lease_counts.get(id(node), 0):
+            if node.lock_count != lock_counts.get(id(node), 0):
                 raise RuntimeError(
-                    f"node {node.serial} has lease count {node.lease_count}, "
-                    f"leases through it: {lease_counts.get(id(node), 0)}"
+                    f"node {node.serial} has lock count {node.lock_count}, "
+                    f"locks through it: {lock_counts.get(id(node), 0)}"
                 )
-            if node.lease_count:
-                leased_blocks += len(node.blocks)
+            if node.lock_count:
+                locked_blocks += len(node.blocks)
             seen.extend(node.blocks)
         if len(seen) != len(set(seen)) or set(seen) != self._held:
             raise RuntimeError(
                 f"tree holds {len(seen)} block slots, {len(set(seen))} distinct, {len(self._held)} held"
             )
-        if leased_blocks != self._num_leased_blocks:
+        if locked_blocks != self._num_locked_blocks:
             raise RuntimeError(
-                f"{leased_blocks} leased blocks in the tree, counter says {self._num_leased_blocks}"
+                f"{locked_blocks} locked blocks in the tree, counter says {self._num_locked_blocks}"
             )
         if self.max_cached_blocks is not None and len(self._held) > self.max_cached_blocks:
             raise RuntimeError(f"{len(self._held)} blocks cached over a budget of {self.max_cached_blocks}")
@@ -430,8 +430,8 @@ class PrefixTree:
     def _split(self, child: _Node, num_blocks: int) -> _Node:
         """Cut `child`'s edge after `num_blocks` blocks; return the new upper node.
 
-        The upper node inherits the lease count (every lease through `child` runs through it) and
-        the last access; `child` keeps its identity, so leases ending at it stay valid.
+        The upper node inherits the lock count (every lock through `child` runs through it) and
+        the last access; `child` keeps its identity, so locks ending at it stay valid.
         """
         parent = child.parent
         assert parent is not None and 0 < num_blocks < len(child.blocks)
@@ -442,7 +442,7 @@ class PrefixTree:
             parent=parent,
             serial=next(self._serials),
             last_access=child.last_access,
-            lease_count=child.lease_count,
+            lock_count=child.lock_count,
         )
         parent.children[upper.tokens[: self.block_size]] = upper
         child.tokens = child.tokens[cut:]
@@ -453,20 +453,20 @@ class PrefixTree:
 
     def _lock(self, node: _Node) -> None:
         while node.parent is not None:
-            if node.lease_count == 0:
-                self._num_leased_blocks += len(node.blocks)
-            node.lease_count += 1
+            if node.lock_count == 0:
+                self._num_locked_blocks += len(node.blocks)
+            node.lock_count += 1
             node = node.parent
 
     def _unlock(self, node: _Node) -> None:
         while node.parent is not None:
-            node.lease_count -= 1
-            if node.lease_count == 0:
-                self._num_leased_blocks -= len(node.blocks)
+            node.lock_count -= 1
+            if node.lock_count == 0:
+                self._num_locked_blocks -= len(node.blocks)
             node = node.parent
 
     def _is_evictable_leaf(self, node: _Node) -> bool:
-        return node.parent is not None and not node.children and node.lease_count == 0
+        return node.parent is not None and not node.children and node.lock_count == 0
 
     def _nodes(self) -> list[_Node]:
         nodes, stack = [], [self._root]

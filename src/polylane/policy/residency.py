@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from polylane.policy.eviction import DEFAULT_EVICTION, EVICTION_POLICIES, eviction_policy
@@ -83,8 +84,13 @@ class PinnedError(ResidencyError):
     """Explicit eviction of a pinned model without `force`."""
 
 
-class UnknownModelError(ResidencyError):
-    """No model of that name is registered; the message lists the names that are."""
+class UnknownModelError(ResidencyError, LookupError):
+    """A name that is none of the models here (the residency pool's, and so a request's or an admin
+    route's: the engine raises this one too); the message lists the names that are."""
+
+    def __init__(self, model: str, known: Sequence[str]) -> None:
+        self.model, self.served = model, tuple(known)
+        super().__init__(f"model {model!r} is not served here (served: {', '.join(self.served) or 'none'})")
 
 
 @dataclass(frozen=True)
@@ -476,8 +482,7 @@ class ResidencyPool:
     def _get(self, name: str) -> _Model:
         model = self._models.get(name)
         if model is None:
-            known = ", ".join(repr(n) for n in self._models) or "none"
-            raise UnknownModelError(f"unknown model {name!r}; registered: {known}")
+            raise UnknownModelError(name, list(self._models))
         return model
 
     def _admission(self, name: str, size_bytes: int | None) -> tuple[_Model, int]:

@@ -13,7 +13,7 @@ How a consumer reuses a provider's prefix, when both share layers `[0, L)`:
    holds the blocks; the same slots hold that state, and a flag per slot says the state belongs to
    the K/V now there.
 2. `open(consumer, prompt)` first matches the consumer's own prefix tree. Then, for every
-   resident peer with a band, it reads (no lease; the engine thread owns every tree) the peer's
+   resident peer with a band, it reads (no prefix lock; the engine thread owns every tree) the peer's
    cached whole blocks of the prompt, trims them to the leading tokens whose boundary state is
    valid, and lets `choose_source` pick the peer saving the most layer-tokens.
 3. The consumer copies the K/V of layers `< L` for those tokens, runs only layers `>= L` from the

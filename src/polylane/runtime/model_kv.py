@@ -3,7 +3,7 @@
 What this module owns: binding the pure policy (`SequenceBlocks`, `PrefixTree`) to the bytes of a
 `PagedKVCache` and to the model's forward. Every operation on a sequence's KV goes through here:
 
-- `open(prompt)`: a new sequence, starting from the longest cached prefix of the prompt (a lease on
+- `open(prompt)`: a new sequence, starting from the longest cached prefix of the prompt (a lock on
   the prefix tree's blocks; the last prompt token is always recomputed, since its logits are needed).
 - `forward(extends)`: one forward pass over any mix of prefill chunks, decode tokens and token trees
   of several sequences; shared blocks about to be written are copied first (copy-on-write).
@@ -107,7 +107,7 @@ class ModelKV:
 
     def close(self, sequence: KVSequence, *, cache: bool = True) -> None:
         """End a sequence: with `cache`, its KV enters the prefix tree (completed requests only;
-        an aborted or failed one closes with cache=False); its blocks and lease are let go."""
+        an aborted or failed one closes with cache=False); its blocks and prefix lock are let go."""
         if sequence.closed:
             raise ValueError("sequence already closed")
         if cache and self.tree is not None and sequence.pending is None:
@@ -226,7 +226,7 @@ class ModelKV:
         needed = sum(e.sequence.blocks.blocks_needed(len(e.token_ids)) for e in extends)
         while needed > self.pool.num_free and self.tree is not None:
             if not self.tree.evict(needed - self.pool.num_free):
-                break  # what is left is leased or also held by running sequences
+                break  # what is left is locked or also held by running sequences
         if needed > self.pool.num_free:
             raise OutOfBlocksError(
                 f"KV cache full: this step needs {needed} blocks of {self.block_size} tokens, "
