@@ -72,7 +72,7 @@ def _assert_blocks_returned(engine: Engine) -> None:
         kv = _kv_of(engine, name)
         if kv is None:
             continue
-        assert kv.tree.num_leases == 0, f"{name}: a prefix lease was never released"
+        assert kv.tree.num_locks == 0, f"{name}: a prefix lock was never released"
         held = kv.tree.num_cached_blocks
         assert kv.pool.num_free + held == kv.pool.num_blocks, (
             f"{name}: {kv.pool.num_blocks - kv.pool.num_free - held} blocks still held by requests"

@@ -79,6 +79,6 @@ def test_engine_speculation_is_lossless_and_reported(load_real_model):
         for name in (SMOL, f"{SMOL}:int4"):
             handle = engine.manager._pool.handle(name)
             assert handle is not None and _held_blocks(handle.kv) == 0, f"{name}: blocks still held"
-            assert handle.kv.tree.num_leases == 0
+            assert handle.kv.tree.num_locks == 0
         # the twin's forwards ran inside the target's slot, counted apart (n-gram runs no model)
         assert stats.max_concurrent_drafters == (1 if pairs["twin:int4"].rounds else 0)

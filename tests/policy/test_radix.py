@@ -250,7 +250,7 @@ def test_evict_zero_does_nothing_and_negative_raises() -> None:
     assert tree.num_cached_blocks == 2 and pool.num_free == 14, f"{tree.stats}, {pool.num_free} free"
 
 
-def test_leased_blocks_survive_eviction() -> None:
+def test_locked_blocks_survive_eviction() -> None:
     pool, tree = make_tree()
     blocks, _ = insert_fresh(pool, tree, toks(1, 2, 3))
     insert_fresh(pool, tree, toks(5))
