@@ -37,7 +37,7 @@ from typing import Any
 
 from polylane.engine import Engine, EngineConfig
 from polylane.engine_stats import percentile
-from polylane.policy.scheduler import SchedulerConfig
+from polylane.policy.scheduling.scheduler import SchedulerConfig
 from polylane.types import SamplingParams
 
 MODELS = ("smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-instruct")

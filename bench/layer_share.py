@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     from polylane.engine import Engine, EngineConfig
-    from polylane.policy.scheduler import SchedulerConfig
+    from polylane.policy.scheduling.scheduler import SchedulerConfig
     from polylane.types import SamplingParams
 
     sibling_path = ensure_sibling(args.model, SiblingSpec(top_layers=args.top_layers, seed=1))

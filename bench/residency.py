@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from polylane import catalog
-from polylane.policy.residency import RESIDENT, ResidencyPool
+from polylane.policy.residency.pool import RESIDENT, ResidencyPool
 from polylane.runtime.converted import converted_path
 from polylane.runtime.loader import estimate_weight_bytes, parse_dtype
 from polylane.runtime.residency import ResidencyManager

@@ -94,7 +94,7 @@ def _rate(tokens: int, seconds: float) -> float:
 
 
 def run_polylane(pair: str, kinds: list[str], max_tokens: int, repeats: int) -> dict[str, Any]:
-    from polylane.policy.spec_control import SpeculationConfig
+    from polylane.policy.speculation.control import SpeculationConfig
     from polylane.runtime.drafters import ModelDrafter, NgramDrafter
     from polylane.runtime.generate import GenerationRequest
     from polylane.runtime.loaded_model import load_model

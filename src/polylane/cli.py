@@ -18,8 +18,8 @@ import sys
 
 from polylane import catalog
 from polylane.cli_generate import DEVICE_HELP
-from polylane.policy.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
-from polylane.policy.lane import LANE_POLICIES
+from polylane.policy.residency.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
+from polylane.policy.scheduling.lane import LANE_POLICIES
 from polylane.server.logs import FORMATS, LEVELS
 from polylane.types import SAMPLING_FIELDS, WEIGHT_DTYPES, LoadError
 
@@ -43,7 +43,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_models_inspect(args: argparse.Namespace) -> int:
-    from polylane.policy.layer_share import shared_band
+    from polylane.policy.sharing.layer_share import shared_band
     from polylane.runtime.loaded_model import digest_of
 
     first, second = (digest_of(name, args.dtype, quiet=False) for name in (args.a, args.b))

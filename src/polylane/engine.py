@@ -27,11 +27,11 @@ from typing import Any
 
 from polylane import catalog
 from polylane.engine_stats import EngineStats, StatsRecorder
-from polylane.policy.eviction import DEFAULT_EVICTION
-from polylane.policy.residency import NoRoomError, ResidencyError, UnknownModelError
-from polylane.policy.scheduler import Scheduler, SchedulerConfig
-from polylane.policy.spec_control import SpeculationConfig
-from polylane.policy.stop_strings import StopStringMatcher
+from polylane.policy.residency.eviction import DEFAULT_EVICTION
+from polylane.policy.residency.pool import NoRoomError, ResidencyError, UnknownModelError
+from polylane.policy.scheduling.scheduler import Scheduler, SchedulerConfig
+from polylane.policy.scheduling.stop_strings import StopStringMatcher
+from polylane.policy.speculation.control import SpeculationConfig
 from polylane.runtime.cpu_load import ComputeThreads
 from polylane.runtime.detokenizer import IncrementalDetokenizer
 from polylane.runtime.digests import cached_digest
@@ -75,7 +75,7 @@ class EngineConfig:
     budget_bytes: int
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     block_size: int = 16
-    eviction: str = DEFAULT_EVICTION  # which idle model leaves first under the budget (policy/eviction.py)
+    eviction: str = DEFAULT_EVICTION  # which idle model leaves first under the budget (policy/residency)
     quiet: bool = True  # no progress bars while loading
     device: str = "auto"  # where every model runs: auto (CUDA when torch sees a GPU), cpu, cuda[:N]
     # Woken from idle, the first step waits until no request has arrived for this long (and no
@@ -83,7 +83,7 @@ class EngineConfig:
     # step rather than as a first request and then the rest (0: start at once).
     arrival_quiet_s: float = 0.002
     # Compute threads (torch's and the native stack's): 0 adapts to the machine, every core while it
-    # is idle and fewer while other processes keep cores busy (`policy/threads.py`); N fixes N.
+    # is idle and fewer while other processes keep cores busy (`policy/scheduling/threads.py`); N fixes N.
     threads: int = 0
 
 
@@ -319,7 +319,7 @@ class Engine:
         """Serve a model (catalogue name or local path; fetched now if missing, loaded on first use).
 
         speculation: speculative decoding for this model's requests (a `SpeculationConfig`, True
-        for the defaults, drafter names, or a dict of its fields; see `policy.spec_control`).
+        for the defaults, drafter names, or a dict of its fields; see `policy.speculation.control`).
         """
         if name in self._models:
             raise ValueError(f"model {name!r} is already registered")

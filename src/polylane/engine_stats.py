@@ -19,8 +19,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from polylane.policy.lane import LaneMonitor
-from polylane.policy.scheduler import SchedulerCounters
+from polylane.policy.scheduling.lane import LaneMonitor
+from polylane.policy.scheduling.scheduler import SchedulerCounters
 from polylane.types import StepPlan, StepResult
 
 

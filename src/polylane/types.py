@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from polylane.policy.sequence_blocks import validate_tree
+from polylane.policy.kv.sequence_blocks import validate_tree
 
 # Weight dtypes a model can be served at: float32, bfloat16, or weight-only int8 / int4 projections
 # (`runtime.quantize`: torch's CPU kernels, float32 activations and KV around them).

@@ -14,7 +14,7 @@ import torch
 
 import polylane.engine as engine_module
 from polylane.engine import Engine, EngineConfig, RequestTooLongError, UnknownModelError
-from polylane.policy.scheduler import SchedulerConfig
+from polylane.policy.scheduling.scheduler import SchedulerConfig
 from polylane.runtime.generate import GenerationRequest, Generator
 from polylane.runtime.loader import estimate_weight_bytes
 from polylane.runtime.tokenizer import ChatTemplateError

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from polylane.engine_stats import StatsRecorder
-from polylane.policy.lane import LaneMonitor
-from polylane.policy.scheduler import SchedulerCounters
+from polylane.policy.scheduling.lane import LaneMonitor
+from polylane.policy.scheduling.scheduler import SchedulerCounters
 from polylane.types import PrefillWork, StepPlan, StepResult
 
 

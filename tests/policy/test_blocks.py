@@ -1,6 +1,6 @@
 """BlockPool: unit cases, and a stateful property test against a reference dict of ref counts.
 
-The reference model is the contract of `policy.blocks`: a block has a count of owners; `allocate`
+The reference model is the contract of `policy.kv.blocks`: a block has a count of owners; `allocate`
 hands out blocks with none, `share` adds one, `free` drops one, and a block with none is free.
 """
 
@@ -20,7 +20,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from polylane.policy.blocks import BlockPool, OutOfBlocksError
+from polylane.policy.kv.blocks import BlockPool, OutOfBlocksError
 
 # ---------------------------------------------------------------- unit cases
 

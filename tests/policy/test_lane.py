@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from polylane.policy.lane import LaneCandidate, LaneMonitor, LaneOwner, LanePolicy
+from polylane.policy.scheduling.lane import LaneCandidate, LaneMonitor, LaneOwner, LanePolicy
 
 ORDER = {"a": 0, "b": 1, "c": 2, "d": 3}
 

@@ -7,8 +7,9 @@ import dataclasses
 
 import pytest
 
-from polylane.policy.blocks import BlockPool
-from polylane.policy.layer_share import (
+from polylane.policy.kv.blocks import BlockPool
+from polylane.policy.kv.radix import PrefixTree
+from polylane.policy.sharing.layer_share import (
     CrossCandidate,
     CrossModelCounters,
     ModelDigest,
@@ -16,7 +17,6 @@ from polylane.policy.layer_share import (
     choose_source,
     shared_band,
 )
-from polylane.policy.radix import PrefixTree
 
 
 def digest(num_layers: int = 8, changed_from: int | None = None, **parts: str) -> ModelDigest:

@@ -1,7 +1,7 @@
 """PrefixTree: hand cases for match / insert / split / evict / budget / locks, and a stateful
 property test against a reference dict of cached block-aligned prefixes.
 
-The reference is the contract of `policy.radix`: the tree caches a prefix-closed set of whole-block
+The reference is the contract of `policy.kv.radix`: the tree caches a prefix-closed set of whole-block
 token prefixes, each mapped to the block its inserter gave for its last block; a lookup returns the
 longest of them; the pool counts one owner per cached block plus one per block a request holds.
 """
@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple, rule
 
-from polylane.policy.blocks import BlockPool
-from polylane.policy.radix import PrefixMatch, PrefixTree
+from polylane.policy.kv.blocks import BlockPool
+from polylane.policy.kv.radix import PrefixMatch, PrefixTree
 
 B = 4  # block size of the hand cases
 

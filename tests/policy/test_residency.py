@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from polylane.policy.residency import (
+from polylane.policy.residency.pool import (
     COLD,
     DEFAULT_RELOAD_BYTES_PER_SECOND,
     LOADING,

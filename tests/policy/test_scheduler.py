@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polylane.policy.lane import LANE_POLICIES, LaneMonitor
-from polylane.policy.scheduler import Scheduler, SchedulerConfig
+from polylane.policy.scheduling.lane import LANE_POLICIES, LaneMonitor
+from polylane.policy.scheduling.scheduler import Scheduler, SchedulerConfig
 from polylane.types import PrefillWork, StepPlan, StepResult
 
 

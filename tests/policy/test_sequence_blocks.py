@@ -16,8 +16,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from polylane.policy.blocks import BlockPool, OutOfBlocksError
-from polylane.policy.sequence_blocks import (
+from polylane.policy.kv.blocks import BlockPool, OutOfBlocksError
+from polylane.policy.kv.sequence_blocks import (
     BlockCopy,
     Compaction,
     SequenceBlocks,

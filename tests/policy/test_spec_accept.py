@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from polylane.policy.spec_accept import (
+from polylane.policy.speculation.accept import (
     Acceptance,
     ListDistribution,
     accept_greedy,

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from polylane.policy.spec_control import DrafterInfo, SpecController, SpeculationConfig, parse_shape
-from polylane.policy.spec_tree import CHAIN, TOPK, TreeShape
+from polylane.policy.speculation.control import DrafterInfo, SpecController, SpeculationConfig, parse_shape
+from polylane.policy.speculation.tree import CHAIN, TOPK, TreeShape
 
 
 def _controller(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from polylane.policy.spec_cost import CostTable, Ema, SpecMeasurements
+from polylane.policy.speculation.cost import CostTable, Ema, SpecMeasurements
 
 
 def _measure(table: CostTable, tokens: int, seconds: float) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from polylane.policy.ngram import NgramIndex, trie
-from polylane.policy.sequence_blocks import validate_tree
-from polylane.policy.spec_tree import DraftTree, TreeBuilder, TreeShape, chain_parents
+from polylane.policy.kv.sequence_blocks import validate_tree
+from polylane.policy.speculation.ngram import NgramIndex, trie
+from polylane.policy.speculation.tree import DraftTree, TreeBuilder, TreeShape, chain_parents
 
 
 def _grow(shape: TreeShape, candidates) -> tuple[DraftTree, list[list[int]]]:

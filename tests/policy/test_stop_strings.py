@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polylane.policy.stop_strings import StopStringMatcher
+from polylane.policy.scheduling.stop_strings import StopStringMatcher
 
 
 def feed(matcher: StopStringMatcher, pieces: list[str]) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from polylane.policy.threads import CpuSample, ThreadPolicy
+from polylane.policy.scheduling.threads import CpuSample, ThreadPolicy
 
 
 def _feed(policy: ThreadPolicy, loads: list[tuple[float, float]], interval: float = 0.5) -> list[int]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polylane.policy.sequence_blocks import BlockCopy
+from polylane.policy.kv.sequence_blocks import BlockCopy
 from polylane.runtime.batch import build_forward_batch
 from polylane.runtime.device import place_model
 from polylane.runtime.kv_cache import PagedKVCache

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from polylane import catalog
-from polylane.policy.layer_share import ModelDigest
+from polylane.policy.sharing.layer_share import ModelDigest
 from polylane.runtime import digests
 from polylane.runtime.file_identity import keep_most_recent
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from polylane.cli import main
-from polylane.policy.layer_share import shared_band
+from polylane.policy.sharing.layer_share import shared_band
 from polylane.runtime.digests import compute_digest
 from polylane.runtime.layer_share import LayerShare
 from polylane.runtime.loaded_model import LoadedModel, load_model

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pytest
 
-from polylane.policy.residency import NoRoomError
+from polylane.policy.residency.pool import NoRoomError
 from polylane.runtime.gguf_file import GGUFFile
 from polylane.runtime.loader import estimate_weight_bytes
 from polylane.runtime.model_kv import Extend

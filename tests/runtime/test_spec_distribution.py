@@ -17,8 +17,8 @@ import torch
 from scipy.stats import chisquare
 
 from polylane import catalog
-from polylane.policy.spec_control import SpeculationConfig
-from polylane.policy.spec_tree import TreeShape
+from polylane.policy.speculation.control import SpeculationConfig
+from polylane.policy.speculation.tree import TreeShape
 from polylane.runtime import spec_verify
 from polylane.runtime.drafters import ModelDrafter
 from polylane.runtime.loaded_model import LoadedModel

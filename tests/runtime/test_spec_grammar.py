@@ -9,7 +9,7 @@ import torch
 
 from polylane import catalog
 from polylane.grammar_spec import grammar_for
-from polylane.policy.spec_tree import DraftTree, TreeShape
+from polylane.policy.speculation.tree import DraftTree, TreeShape
 from polylane.runtime.drafters import DraftJob
 from polylane.runtime.grammar import Constraint
 from polylane.runtime.sampler import RequestSampler

@@ -14,8 +14,8 @@ import gc
 
 import pytest
 
-from polylane.policy.spec_control import SpeculationConfig
-from polylane.policy.spec_tree import TreeShape
+from polylane.policy.speculation.control import SpeculationConfig
+from polylane.policy.speculation.tree import TreeShape
 from polylane.runtime.drafters import ModelDrafter, NgramDrafter
 from polylane.runtime.generate import GenerationRequest, Generator
 from polylane.runtime.loaded_model import LoadedModel, load_model

@@ -3,7 +3,7 @@ with nothing to look up decodes plainly and leaves the choice to drafters that c
 
 from __future__ import annotations
 
-from polylane.policy.spec_control import SpeculationConfig
+from polylane.policy.speculation.control import SpeculationConfig
 from polylane.runtime.drafters import NgramDrafter
 from polylane.runtime.sampler import RequestSampler
 from polylane.runtime.speculator import SpecRequest, Speculator

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from polylane.policy.spec_control import SpeculationConfig
-from polylane.policy.spec_tree import TreeShape
+from polylane.policy.speculation.control import SpeculationConfig
+from polylane.policy.speculation.tree import TreeShape
 from polylane.server.config import ConfigError, models_from_file
 
 

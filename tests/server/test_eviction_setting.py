@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from polylane.policy.eviction import EVICTION_POLICIES
+from polylane.policy.residency.eviction import EVICTION_POLICIES
 from tests.server.conftest import SMOL, start_server
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from polylane import catalog
 from polylane.bench.systems import BASELINES, DEFAULT_BASELINES, SPEC_MODES, VARIANT_PREFIX, with_mode
 from polylane.bench.workloads import DEFAULTS, PROMPT_CATEGORIES, SPEC_CATEGORIES, WORKLOADS
-from polylane.policy.lane import LANE_POLICIES
+from polylane.policy.scheduling.lane import LANE_POLICIES
 from polylane.types import DEFAULT_DTYPE, WEIGHT_DTYPES
 
 SMALL_MODELS = ("smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-instruct")
@@ -266,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
 def speculation_setting(words: list[str] | None, modes: list[str] | None, workload: str) -> Any:
     """polylane's speculation for the first model from --speculation and --spec-mode, as
     `Engine.add_model(speculation=...)` takes it (JSON-able), checked; None: no speculation."""
-    from polylane.policy.spec_control import SpeculationConfig
+    from polylane.policy.speculation.control import SpeculationConfig
 
     value: Any
     if not words:
@@ -291,7 +291,7 @@ def assistant_source(models: tuple[tuple[str, str], ...], speculation: Any) -> s
     """The source of polylane's drafter model for the target (the first model), for transformers'
     assisted generation: the first served model the speculation names, or with "auto" the second
     model given; None when polylane drafts with no other model (n-gram, twin)."""
-    from polylane.policy.spec_control import AUTO, SpeculationConfig
+    from polylane.policy.speculation.control import AUTO, SpeculationConfig
 
     config = SpeculationConfig.parse(speculation)
     if config is None:

@@ -33,7 +33,7 @@ from polylane.bench.replay import Clock, error_timeline
 from polylane.bench.workloads import BenchRequest, document
 from polylane.engine import Engine, EngineConfig, RequestHandle
 from polylane.grammar_spec import grammar_for
-from polylane.policy.scheduler import SchedulerConfig
+from polylane.policy.scheduling.scheduler import SchedulerConfig
 from polylane.runtime.residency import ResidencyManager
 from polylane.types import DEFAULT_DTYPE, SamplingParams
 

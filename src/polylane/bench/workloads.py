@@ -274,7 +274,7 @@ def build(name: str, options: WorkloadOptions, repeat: int = 0) -> Workload:
     if options.cpu_hog:
         # every phase idle, then each again under load with other prompts (nothing cached by the idle
         # one); the loaded twins last, so that no idle phase follows a loaded one (the engine's
-        # thread count would still be recovering from the neighbour: `policy/threads.py`)
+        # thread count would still be recovering from the neighbour: `policy/scheduling/threads.py`)
         busy_rng = random.Random(f"{name}:{options.seed}:{repeat}{HOG_SUFFIX}")
         busy = builder(options, busy_rng, HOG_REPEAT_OFFSET + repeat)
         described = f" — with {options.cpu_hog} busy-loop process(es) running"

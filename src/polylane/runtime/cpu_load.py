@@ -1,6 +1,6 @@
 """Sampling how busy this machine's CPUs are, and applying a thread count to the compute threads.
 
-What this module owns: reading the CPU time counters the thread policy (`policy/threads.py`)
+What this module owns: reading the CPU time counters the thread policy (`policy/scheduling/threads.py`)
 decides from — /proc/stat's busy time of the CPUs this process may run on and this process's own
 CPU time — and `ComputeThreads`, which the engine thread asks once per step and which sets torch's
 thread count (the native stack reads the same count per call). Where /proc/stat cannot be read
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from polylane.policy.threads import CpuSample, ThreadPolicy
+from polylane.policy.scheduling.threads import CpuSample, ThreadPolicy
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """Per-layer digests of a loaded model, computed once per file and cached by file identity.
 
 What this module owns: turning a loaded model (the run-time tensors the decoder actually uses,
-after dequantising, fusing, transposing and casting) into a `policy.layer_share.ModelDigest`, and
+after dequantising, fusing, transposing and casting) into a `policy.sharing.layer_share.ModelDigest`, and
 the on-disk cache of those digests. Which layers two models share is decided from the digests by
-`policy.layer_share`; this module only hashes.
+`policy.sharing.layer_share`; this module only hashes.
 
 Hashing reads every weight byte once (about 0.3 s for 540 MB on one core), so the result is kept
 under `<cache dir>/digests/`, keyed by the source's content (`runtime.file_identity`: every file's
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from polylane import catalog
-from polylane.policy.layer_share import ModelDigest
+from polylane.policy.sharing.layer_share import ModelDigest
 from polylane.runtime.converted import LAYOUT_VERSION
 from polylane.runtime.file_identity import content_digest, keep_most_recent, write_atomically
 from polylane.runtime.model_config import ModelConfig

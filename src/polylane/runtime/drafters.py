@@ -13,7 +13,7 @@ What this module owns: the drafters and their per-request state.
   every node's KV sits in a plain chain. After the target's verify, `settle` keeps the sequence
   that agrees longest with the committed tokens, rolls it back to that agreement (exact rollback)
   and closes the others: nothing is recomputed, nothing leaks.
-- `NgramDrafter`: prompt lookup (`policy.ngram`) over the request's own tokens; no model.
+- `NgramDrafter`: prompt lookup (`policy.speculation.ngram`) over the request's own tokens; no model.
 
 Draft tokens: a greedy request gets the drafter's argmax (chain) or its top-k candidates (trees).
 A sampled request gets, for a chain, tokens drawn from the drafter's distribution q (filtered with
@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from polylane.policy.lane import LaneMonitor
-from polylane.policy.ngram import NgramIndex
-from polylane.policy.spec_tree import DraftTree, TreeBuilder, TreeShape
+from polylane.policy.scheduling.lane import LaneMonitor
+from polylane.policy.speculation.ngram import NgramIndex
+from polylane.policy.speculation.tree import DraftTree, TreeBuilder, TreeShape
 from polylane.runtime.model_kv import Extend, KVSequence, ModelKV
 from polylane.runtime.sampler import RequestSampler
 
@@ -237,7 +237,7 @@ class ModelDrafter:
 
 
 class NgramDrafter:
-    """Drafts by prompt lookup (`policy.ngram.NgramIndex`), one index per request."""
+    """Drafts by prompt lookup (`policy.speculation.ngram.NgramIndex`), one index per request."""
 
     kind = "ngram"
 

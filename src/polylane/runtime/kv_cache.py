@@ -1,7 +1,7 @@
 """Paged KV tensors of one resident model.
 
 The cache is a flat array of slots per layer: slot `block * block_size + offset` holds the key and
-value of one token. Which blocks a sequence owns is policy (`policy.blocks`); this class only
+value of one token. Which blocks a sequence owns is policy (`policy.kv.blocks`); this class only
 stores bytes and reads or writes them by slot index. It never decides anything.
 
 Boundary states (for the cross-model prefill share, `runtime.layer_share`): for each layer `L`
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from polylane.policy.sequence_blocks import BlockCopy, SlotMove
+from polylane.policy.kv.sequence_blocks import BlockCopy, SlotMove
 from polylane.runtime.model_config import ModelConfig
 
 

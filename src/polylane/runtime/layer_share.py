@@ -3,7 +3,7 @@
 What this module owns: the registry of the models one engine serves (their digests, and a weak
 reference to the KV of each resident one), the boundary layers each resident model records, and
 opening a sequence that starts from a peer's cached prefix. Which layers two models share and
-which peer to read from are pure decisions (`policy.layer_share`); the bytes move in
+which peer to read from are pure decisions (`policy.sharing.layer_share`); the bytes move in
 `PagedKVCache.import_band` and `ModelKV.extend_from_band`.
 
 How a consumer reuses a provider's prefix, when both share layers `[0, L)`:
@@ -42,8 +42,8 @@ import threading
 import weakref
 from collections.abc import Sequence
 
-from polylane.policy.blocks import OutOfBlocksError
-from polylane.policy.layer_share import (
+from polylane.policy.kv.blocks import OutOfBlocksError
+from polylane.policy.sharing.layer_share import (
     CrossCandidate,
     CrossModelCounters,
     CrossModelStats,

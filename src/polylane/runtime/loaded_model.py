@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from polylane import catalog
-from polylane.policy.layer_share import ModelDigest
+from polylane.policy.sharing.layer_share import ModelDigest
 from polylane.runtime.block_weights import BlockKernelsUnavailable, formats_summary
 from polylane.runtime.block_weights import isa_name as block_isa_name
 from polylane.runtime.converted import converted_path, load_converted, save_converted

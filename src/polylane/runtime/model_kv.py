@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from polylane.policy.blocks import BlockPool, OutOfBlocksError
-from polylane.policy.radix import PrefixMatch, PrefixTree, PrefixTreeStats
-from polylane.policy.sequence_blocks import SequenceBlocks
+from polylane.policy.kv.blocks import BlockPool, OutOfBlocksError
+from polylane.policy.kv.radix import PrefixMatch, PrefixTree, PrefixTreeStats
+from polylane.policy.kv.sequence_blocks import SequenceBlocks
 from polylane.runtime.batch import build_forward_batch
 from polylane.runtime.kv_cache import PagedKVCache
 from polylane.runtime.loaded_model import LoadedModel

@@ -32,8 +32,8 @@ import psutil
 import torch
 
 from polylane import catalog
-from polylane.policy.eviction import DEFAULT_EVICTION
-from polylane.policy.residency import (
+from polylane.policy.residency.eviction import DEFAULT_EVICTION
+from polylane.policy.residency.pool import (
     LOADING,
     Eviction,
     ModelState,
@@ -152,7 +152,7 @@ class ResidencyManager:
         prefix_cache: bool = True,
         device: str | torch.device = "auto",
     ) -> None:
-        """`eviction`: a policy of `policy/eviction.py` ("lru", or "cost": cost-aware, fed each
+        """`eviction`: a policy of `policy/residency/eviction.py` ("lru", or "cost": cost-aware, fed each
         model's measured load seconds). `prefix_cache`: give each loaded model's KV a prefix tree (off: every
         prompt is prefilled in full, e.g. the `plain` bench baseline). `device`: where every model
         runs ("auto": CUDA when torch sees a GPU, else CPU; `runtime.device`)."""
@@ -289,7 +289,7 @@ class ResidencyManager:
 
     @property
     def eviction(self) -> str:
-        """The eviction policy's name (`policy/eviction.py`)."""
+        """The eviction policy's name (`policy/residency/eviction.py`)."""
         return self._pool.eviction
 
     def snapshot(self) -> list[ModelInfo]:

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from polylane.policy.blocks import OutOfBlocksError
-from polylane.policy.lane import LaneMonitor
+from polylane.policy.kv.blocks import OutOfBlocksError
+from polylane.policy.scheduling.lane import LaneMonitor
 from polylane.runtime.grammar import Constraint
 from polylane.runtime.layer_share import LayerShare
 from polylane.runtime.model_kv import Extend, KVSequence, ModelKV

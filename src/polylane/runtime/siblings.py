@@ -12,7 +12,7 @@ file or a Hugging Face folder), with the tensors of its top N layers changed by 
 Every other tensor is written exactly as our loader receives it from the source (Hugging Face
 names and row order, float32 for a GGUF source, the file's own dtype for a folder), so the
 sibling's lower layers load into bit-identical run-time tensors and the two models share the
-layer band `[0, num_layers - N)` (`policy.layer_share`). `write_sibling` checks that by loading
+layer band `[0, num_layers - N)` (`policy.sharing.layer_share`). `write_sibling` checks that by loading
 both and comparing their digests, which also caches those digests for the engine.
 
 The serve config declares siblings (`server.config`); `polylane models sibling` writes one.
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from polylane import catalog
-from polylane.policy.layer_share import SharedBand, shared_band
+from polylane.policy.sharing.layer_share import SharedBand, shared_band
 from polylane.runtime.model_config import ModelConfig
 from polylane.runtime.models import ARCHITECTURES
 

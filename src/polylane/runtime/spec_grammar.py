@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from polylane.policy.spec_tree import DraftTree
+from polylane.policy.speculation.tree import DraftTree
 from polylane.runtime.drafters import DraftJob
 from polylane.runtime.grammar import Constraint
 

@@ -20,9 +20,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from polylane.policy.lane import LaneMonitor
-from polylane.policy.spec_control import AUTO, NGRAM, TWIN_PREFIX, PairStats, SpeculationConfig
-from polylane.policy.spec_cost import SpecMeasurements
+from polylane.policy.scheduling.lane import LaneMonitor
+from polylane.policy.speculation.control import AUTO, NGRAM, TWIN_PREFIX, PairStats, SpeculationConfig
+from polylane.policy.speculation.cost import SpecMeasurements
 from polylane.runtime.drafters import ModelDrafter, NgramDrafter
 from polylane.runtime.residency import ModelLease, ResidencyManager
 from polylane.runtime.runner import Runner

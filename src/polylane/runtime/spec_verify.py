@@ -7,7 +7,7 @@ What this module owns: the tensor side of verifying one request's draft.
   tree whose root is the last token (tree mask). Logits come back for every row: row 0 is the
   target after the last token (what the draft's first depth is checked against), row i + 1 the
   target after draft node i.
-- `accept_rows`: the policy rule (`policy.spec_accept`) over those rows: greedy on their
+- `accept_rows`: the policy rule (`policy.speculation.accept`) over those rows: greedy on their
   argmaxes, or recursive rejection sampling with `TensorDistribution`s (the request's sampler
   turns a row into its filtered distribution, exactly the one plain decoding samples from).
 - `commit`: the accepted path stays in the target's KV (a chain is rolled back past it; a tree's
@@ -20,14 +20,14 @@ from collections.abc import Callable
 
 import torch
 
-from polylane.policy.spec_accept import Acceptance, accept_greedy, accept_sampled
-from polylane.policy.spec_tree import DraftTree
+from polylane.policy.speculation.accept import Acceptance, accept_greedy, accept_sampled
+from polylane.policy.speculation.tree import DraftTree
 from polylane.runtime.model_kv import Extend, KVSequence, ModelKV
 from polylane.runtime.sampler import RequestSampler, greedy_tokens
 
 
 class TensorDistribution:
-    """A (V,) float32 probability row as a `policy.spec_accept.Distribution`."""
+    """A (V,) float32 probability row as a `policy.speculation.accept.Distribution`."""
 
     __slots__ = ("probs",)
 

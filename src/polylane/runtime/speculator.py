@@ -1,7 +1,7 @@
 """Speculative decoding for one target model's decode batch: decide, draft, verify, commit.
 
 What this module owns: the round of every speculating request of one target model, between the
-controller (`policy.spec_control`, which decides), the drafters (`runtime.drafters`, which
+controller (`policy.speculation.control`, which decides), the drafters (`runtime.drafters`, which
 propose) and the target's one verify forward (`runtime.spec_verify`). A round, inside the
 target's decode-lane slot:
 
@@ -29,17 +29,17 @@ from dataclasses import dataclass
 
 import torch
 
-from polylane.policy.lane import LaneMonitor
-from polylane.policy.spec_accept import Acceptance
-from polylane.policy.spec_control import (
+from polylane.policy.scheduling.lane import LaneMonitor
+from polylane.policy.speculation.accept import Acceptance
+from polylane.policy.speculation.control import (
     DrafterInfo,
     PairStats,
     SpecController,
     SpecDecision,
     SpeculationConfig,
 )
-from polylane.policy.spec_cost import SpecMeasurements
-from polylane.policy.spec_tree import TreeShape
+from polylane.policy.speculation.cost import SpecMeasurements
+from polylane.policy.speculation.tree import TreeShape
 from polylane.runtime.drafters import Drafter, DraftJob, NgramDrafter
 from polylane.runtime.model_kv import Extend, KVSequence, ModelKV
 from polylane.runtime.sampler import RequestSampler

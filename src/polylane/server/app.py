@@ -31,7 +31,7 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from polylane.engine import Engine, EngineConfig
-from polylane.policy.scheduler import SchedulerConfig
+from polylane.policy.scheduling.scheduler import SchedulerConfig
 from polylane.server import errors, logs, openapi, routes_admin, routes_openai
 from polylane.server.config import ServerConfig
 from polylane.server.errors import error_response

@@ -47,8 +47,8 @@ from typing import Any
 import psutil
 
 from polylane import catalog
-from polylane.policy.eviction import DEFAULT_EVICTION
-from polylane.policy.spec_control import SpeculationConfig
+from polylane.policy.residency.eviction import DEFAULT_EVICTION
+from polylane.policy.speculation.control import SpeculationConfig
 from polylane.runtime.residency import DEFAULT_KV_TOKENS
 from polylane.runtime.siblings import SiblingError, SiblingSpec, ensure_sibling, sibling_path
 from polylane.sizes import parse_bytes
@@ -91,7 +91,7 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     lane_policy: str = "throughput"
-    eviction: str = DEFAULT_EVICTION  # policy/eviction.py: which idle model leaves first under the budget
+    eviction: str = DEFAULT_EVICTION  # which idle model leaves first under the budget (policy/residency)
     limits: Limits = field(default_factory=Limits)
     device: str = "auto"
     threads: int = 0  # compute threads (EngineConfig.threads): 0 adapts to the machine's load

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
-from polylane.policy.residency import ResidencyError, UnknownModelError
+from polylane.policy.residency.pool import ResidencyError, UnknownModelError
 from polylane.runtime.residency import ModelLoadError
 from polylane.server.errors import ApiError
 from polylane.server.protocol import BudgetRequest

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from polylane.policy.sequence_blocks import validate_tree
+from polylane.policy.kv.sequence_blocks import validate_tree
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from polylane.policy.spec_tree import DraftTree
+from polylane.policy.speculation.tree import DraftTree
 
 
 class NgramIndex:

@@ -9,7 +9,7 @@ Keys are whole blocks. An edge holds a token tuple whose length is a multiple of
 `pool.block_size` and one block id per `block_size` tokens; a partial last block is never cached.
 A match is whole blocks, and with `match(..., partial=True)` it may go on into the first tokens of
 one more cached block (the caller then reads that block's leading slots and, before writing into
-it, copies it: copy-on-write, see `policy.sequence_blocks`). The root holds nothing. One tree
+it, copies it: copy-on-write, see `policy.kv.sequence_blocks`). The root holds nothing. One tree
 serves one model's pool: `namespace` names that model (recorded and reported only, for now).
 
 Ownership rules, for a caller that is the scheduler of one model:
@@ -40,7 +40,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from polylane.policy.blocks import BlockPool
+from polylane.policy.kv.blocks import BlockPool
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ What this module owns: the `EvictionPolicy` seam that `ResidencyPool` asks (the 
 gives a model, the order victims are taken in, whether an eviction ages the others) and the
 registry of policies by name, which the pool, `EngineConfig`, the server config and
 `polylane serve --eviction` all read. A new policy is one class here and one entry in
-`EVICTION_POLICIES`. The rules of "lru" and "cost" are in `policy/residency.py`'s docstring.
+`EVICTION_POLICIES`. The rules of "lru" and "cost" are in `policy/residency/pool.py`'s docstring.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from polylane.policy.spec_tree import TreeShape
+from polylane.policy.speculation.tree import TreeShape
 
 
 class Ema:

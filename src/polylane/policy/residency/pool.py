@@ -61,7 +61,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from polylane.policy.eviction import DEFAULT_EVICTION, EVICTION_POLICIES, eviction_policy
+from polylane.policy.residency.eviction import DEFAULT_EVICTION, EVICTION_POLICIES, eviction_policy
 
 COLD, LOADING, RESIDENT = "cold", "loading", "resident"
 CAUSES = ("room", "budget", "explicit")
@@ -397,7 +397,7 @@ class ResidencyPool:
 
     @property
     def eviction(self) -> str:
-        """The eviction policy's name (`policy/eviction.py`: "lru" or "cost")."""
+        """The eviction policy's name (`policy/residency/eviction.py`: "lru" or "cost")."""
         return self._policy.name
 
     @property

@@ -16,7 +16,7 @@ layout and layer hyper-parameters; see `runtime.digests`) and hands the digests 
 - `CrossModelCounters`: hit statistics of the cross-model share, per consumer model.
 
 What this module does not own: the digests' computation, the KV and boundary-state bytes (the
-runtime's `PagedKVCache`), the prefix trees (`policy.radix`), or when a model is resident.
+runtime's `PagedKVCache`), the prefix trees (`policy.kv.radix`), or when a model is resident.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from polylane.policy.lane import LaneCandidate, LaneOwner, LanePolicy
+from polylane.policy.scheduling.lane import LaneCandidate, LaneOwner, LanePolicy
 from polylane.types import PrefillWork, StepPlan, StepResult
 
 WAITING, PREFILL, DECODE = "waiting", "prefill", "decode"

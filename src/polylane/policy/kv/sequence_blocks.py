@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from polylane.policy.blocks import BlockPool, OutOfBlocksError
+from polylane.policy.kv.blocks import BlockPool, OutOfBlocksError
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ Statistics (exponentially decayed, so they follow the text being written):
   is a plain decode step and records nothing: n-gram rates are rates given a match.
 - tokens per verify, per drafter and shape: the realised mean, used once a shape has been tried
   enough, in place of the model above.
-- costs (`policy.spec_cost`, kept across reloads of the target): seconds per drafter forward
+- costs (`policy.speculation.cost`, kept across reloads of the target): seconds per drafter forward
   (one depth for a batch) per drafter, and the target's forward seconds by the tokens it
   computes, t(n), a table measured per n (`CostTable`: not a line, since a forward's cost can
   jump where a native kernel hands a batch to torch), fed by plain decode steps (n = batch) and
@@ -39,8 +39,8 @@ import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from polylane.policy.spec_cost import Ema, SpecMeasurements
-from polylane.policy.spec_tree import CHAIN, DYNAMIC, SHAPE_KINDS, TOPK, TreeShape
+from polylane.policy.speculation.cost import Ema, SpecMeasurements
+from polylane.policy.speculation.tree import CHAIN, DYNAMIC, SHAPE_KINDS, TOPK, TreeShape
 
 NGRAM = "ngram"
 TWIN_PREFIX = "twin"  # "twin" (int4) or "twin:int8": the target's quantised twin

@@ -1,0 +1,3 @@
+"""KV blocks as numbers: the pool of fixed-size blocks and their reference counts (`blocks`), a
+sequence's block table with fork, copy-on-write, truncate and compact (`sequence_blocks`), and the
+radix prefix tree that caches whole blocks of prompts (`radix`)."""

@@ -1,0 +1,2 @@
+"""Cross-model prefill sharing: which lower layers two models provably share, from their per-layer
+digests (`layer_share`)."""
