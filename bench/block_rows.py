@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from polylane.runtime.block_weights import BlockProjection, isa_name
-from polylane.runtime.loaded_model import load_model
+from polylane.runtime.loading.loaded_model import load_model
+from polylane.runtime.model.block_weights import BlockProjection, isa_name
 
 
 def main() -> None:

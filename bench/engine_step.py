@@ -34,7 +34,9 @@ from typing import Any
 
 from polylane.bench.engine_client import SUBMIT_THREADS, EngineSetup, open_engine
 from polylane.engine import Engine, EngineConfig
-from polylane.runtime import detokenizer, model_kv, runner
+from polylane.runtime import runner
+from polylane.runtime.kv import model_kv
+from polylane.runtime.sampling import detokenizer
 from polylane.types import WEIGHT_DTYPES, SamplingParams
 
 PARTS = ["plan", "execute", "reserve", "batch", "forward", "C forward", "sample", "deliver", "detokenise"]

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from polylane import catalog
-from polylane.runtime.loaded_model import load_model
-from polylane.runtime.model_kv import Extend, ModelKV
+from polylane.runtime.kv.model_kv import Extend, ModelKV
+from polylane.runtime.loading.loaded_model import load_model
 
 CATALOGUE = [
     "smollm2-135m-instruct",

@@ -151,7 +151,7 @@ def prompt_text(sentences: int = 120) -> str:
 def make_prompt(model_name: str) -> dict[str, Any]:
     """Token ids of the long (512) and short (16) prompts, made with polylane's tokenizer."""
     from polylane import catalog
-    from polylane.runtime.tokenizer import load_tokenizer
+    from polylane.runtime.sampling.tokenizer import load_tokenizer
 
     source = catalog.resolve(model_name)
     tokenizer = load_tokenizer(source)
@@ -192,7 +192,7 @@ class PolylaneRunner:
 
     def __init__(self, model_name: str, dtype: str, max_decode_tokens: int) -> None:
         from polylane.runtime.generate import Generator
-        from polylane.runtime.loaded_model import load_model
+        from polylane.runtime.loading.loaded_model import load_model
 
         started = time.perf_counter()
         self.model = load_model(model_name, dtype, quiet=True)
@@ -204,7 +204,7 @@ class PolylaneRunner:
         )
 
     def prefill_seconds(self, ids: list[int]) -> float:
-        from polylane.runtime.batch import build_forward_batch
+        from polylane.runtime.model.batch import build_forward_batch
         from polylane.types import SequenceChunk
 
         # The generator's pool is all free between `generate` calls, so its cache's first blocks

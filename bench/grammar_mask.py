@@ -100,7 +100,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from polylane import catalog
-    from polylane.runtime.tokenizer import load_tokenizer
+    from polylane.runtime.sampling.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(catalog.resolve(args.model, quiet=True))
     backend = tokenizer.backend

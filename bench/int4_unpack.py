@@ -3,7 +3,7 @@ row gather (any other row order), per weight shape.
 
 Run:  python bench/int4_unpack.py [--shapes 3072x576 17920x1536] [--repeats 5]
 
-`runtime/int4_layout.py` reads the layout this torch packs in; a layout whose rows are interleaved
+`runtime/model/int4_layout.py` reads the layout this torch packs in; a layout whose rows are interleaved
 (AVX512's and AVX2's low/high nibbles, DEFAULT's rows in order) unpacks by a view and a permute, any
 other order by gathering rows. Both are checked to give the packed codes; the table gives ms per
 unpack of the whole weight (the torch path does this per prompt forward of 128+ tokens). The last
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from polylane.runtime.int4_layout import packing_layout
+from polylane.runtime.model.int4_layout import packing_layout
 
 
 def milliseconds(run, repeats: int) -> float:

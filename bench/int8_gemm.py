@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from polylane.runtime.layers import linear
+from polylane.runtime.model.layers import linear
 
 SHAPES = {"gate/up": (3072, 576), "down": (576, 1536), "qkv": (960, 576)}
 

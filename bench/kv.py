@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from polylane.runtime.generate import GenerationRequest, Generator
-from polylane.runtime.loaded_model import load_model
-from polylane.runtime.model_kv import Extend, ModelKV
+from polylane.runtime.kv.model_kv import Extend, ModelKV
+from polylane.runtime.loading.loaded_model import load_model
 from polylane.types import SamplingParams
 
 PROMPT_TOKENS = 1000

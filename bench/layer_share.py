@@ -43,10 +43,10 @@ from typing import Any
 
 import torch
 
-from polylane.runtime.layer_share import LayerShare
-from polylane.runtime.loaded_model import load_model
-from polylane.runtime.model_kv import Extend, ModelKV
-from polylane.runtime.siblings import SiblingSpec, ensure_sibling
+from polylane.runtime.kv.model_kv import Extend, ModelKV
+from polylane.runtime.loading.loaded_model import load_model
+from polylane.runtime.residency.siblings import SiblingSpec, ensure_sibling
+from polylane.runtime.sharing.layer_share import LayerShare
 
 BLOCK = 16
 

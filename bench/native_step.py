@@ -22,9 +22,9 @@ import time
 
 import torch
 
-from polylane.runtime.batch import build_forward_batch
-from polylane.runtime.kv_cache import PagedKVCache
-from polylane.runtime.loaded_model import load_model
+from polylane.runtime.kv.kv_cache import PagedKVCache
+from polylane.runtime.loading.loaded_model import load_model
+from polylane.runtime.model.batch import build_forward_batch
 from polylane.runtime.native import stack as native
 from polylane.types import WEIGHT_DTYPES, SequenceChunk
 

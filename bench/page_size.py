@@ -5,7 +5,7 @@ Run:  python bench/page_size.py [--model qwen2.5-coder-1.5b-instruct] [--context
       [--rounds 3] [--drop-cache]
 
 The model loads at dtype auto (the file's blocks in place; its mapping asks for 2 MiB pages,
-`runtime/gguf_file.py`). Its projections' weight pointers are then switched between three copies of
+`runtime/loading/gguf_file.py`). Its projections' weight pointers are then switched between three copies of
 the same bytes:
 - "written copy": a temporary copy of the file written in 1 MiB pieces, as a download leaves a
   file in the page cache, mapped with MADV_HUGEPAGE like the model's own;
@@ -35,10 +35,10 @@ import time
 import numpy as np
 
 from polylane.catalog import resolve
-from polylane.runtime.batch import build_forward_batch
-from polylane.runtime.block_weights import BlockProjection
-from polylane.runtime.kv_cache import PagedKVCache
-from polylane.runtime.loaded_model import load_model
+from polylane.runtime.kv.kv_cache import PagedKVCache
+from polylane.runtime.loading.loaded_model import load_model
+from polylane.runtime.model.batch import build_forward_batch
+from polylane.runtime.model.block_weights import BlockProjection
 from polylane.types import SequenceChunk
 
 BLOCK = 16

@@ -28,11 +28,11 @@ import time
 
 import torch
 
-from polylane.runtime.batch import build_forward_batch
-from polylane.runtime.kv_cache import PagedKVCache
-from polylane.runtime.layers import ForwardContext
-from polylane.runtime.loaded_model import load_model
-from polylane.runtime.sampler import RequestSampler, sample_rows
+from polylane.runtime.kv.kv_cache import PagedKVCache
+from polylane.runtime.loading.loaded_model import load_model
+from polylane.runtime.model.batch import build_forward_batch
+from polylane.runtime.model.layers import ForwardContext
+from polylane.runtime.sampling.sampler import RequestSampler, sample_rows
 from polylane.types import WEIGHT_DTYPES, SamplingParams, SequenceChunk
 
 WEIGHT_OPS = {

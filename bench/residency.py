@@ -10,7 +10,7 @@ Metrics:
   - gguf_mb: size of the model's GGUF file (MB = 10^6 bytes).
   - first_load: how this process's first load of the model read its weights: "conversion" (no
     converted file at this dtype existed before: the GGUF was dequantised and the result written
-    to the converted cache, `polylane.runtime.converted`) or "converted cache" (a converted
+    to the converted cache, `polylane.runtime.loading.converted`) or "converted cache" (a converted
     safetensors file existed and was read back). Checked before the load.
   - first_load_s: seconds of that first load (weights, tokenizer, KV reservation: the manager's
     measured `load_seconds`; fetching the file is not included). first_mb_per_s = gguf_mb / first_load_s.
@@ -57,9 +57,9 @@ import torch
 
 from polylane import catalog
 from polylane.policy.residency.pool import RESIDENT, ResidencyPool
-from polylane.runtime.converted import converted_path
-from polylane.runtime.loader import estimate_weight_bytes, parse_dtype
-from polylane.runtime.residency import ResidencyManager
+from polylane.runtime.loading.converted import converted_path
+from polylane.runtime.loading.loader import estimate_weight_bytes, parse_dtype
+from polylane.runtime.residency.manager import ResidencyManager
 
 MODELS = [
     "smollm2-135m-instruct",

@@ -39,8 +39,8 @@ def main() -> None:
     process = psutil.Process()
     import torch  # noqa: F401 (imported before the first measurement: part of the baseline)
 
-    from polylane.runtime.model_kv import Extend
-    from polylane.runtime.residency import ResidencyManager
+    from polylane.runtime.kv.model_kv import Extend
+    from polylane.runtime.residency.manager import ResidencyManager
     from polylane.server.config import parse_size
 
     baseline = process.memory_info().rss

@@ -6,7 +6,7 @@ Run:  python bench/spec.py [--pairs qwen,qwen-twin,smol-twin,smol-ngram] [--kind
 Pairs (targets in fp32, greedy, one request at a time):
 - qwen: Qwen2.5-Coder-1.5B drafted by Qwen2.5-Coder-0.5B (identical tokenizers); transformers
   baseline: assisted generation with the same assistant, and prompt lookup.
-- qwen-twin / smol-twin: the target drafted by its own int4 quantised twin (`runtime.quantize`);
+- qwen-twin / smol-twin: the target drafted by its own int4 quantised twin (`runtime.model.quantize`);
   transformers has no such twin: its baselines are plain generate and prompt lookup.
 - smol-ngram: SmolLM2-135M drafted by n-gram prompt lookup; transformers baseline: prompt lookup
   (`prompt_lookup_num_tokens=10`).
@@ -14,7 +14,7 @@ Prompt kinds: code (complete and extend a function), chat (free-form answer), ex
 fields out of a given text).
 
 Systems, each run on every prompt, alternated so drift hits them alike:
-- polylane plain: the same driver with no speculator (`runtime.spec_generate`, batch 1).
+- polylane plain: the same driver with no speculator (`runtime.speculation.generate`, batch 1).
 - polylane chain / tree / auto: a speculator whose controller may choose K or the tree size
   (mode "chain" or "tree"), or anything including off ("auto"). One speculator per pair and mode
   is kept across prompts, as a server would, so its statistics and cost model warm up.
@@ -95,12 +95,12 @@ def _rate(tokens: int, seconds: float) -> float:
 
 def run_polylane(pair: str, kinds: list[str], max_tokens: int, repeats: int) -> dict[str, Any]:
     from polylane.policy.speculation.control import SpeculationConfig
-    from polylane.runtime.drafters import ModelDrafter, NgramDrafter
     from polylane.runtime.generate import GenerationRequest
-    from polylane.runtime.loaded_model import load_model
-    from polylane.runtime.model_kv import ModelKV
-    from polylane.runtime.spec_generate import SpeculativeGenerator
-    from polylane.runtime.speculator import Speculator
+    from polylane.runtime.kv.model_kv import ModelKV
+    from polylane.runtime.loading.loaded_model import load_model
+    from polylane.runtime.speculation.drafters import ModelDrafter, NgramDrafter
+    from polylane.runtime.speculation.generate import SpeculativeGenerator
+    from polylane.runtime.speculation.speculator import Speculator
     from polylane.types import SamplingParams
 
     target_name, drafter_name = PAIRS[pair]
@@ -205,7 +205,7 @@ def run_transformers(
     from transformers.utils import logging as hf_logging
 
     from polylane import catalog
-    from polylane.runtime.tokenizer import load_tokenizer
+    from polylane.runtime.sampling.tokenizer import load_tokenizer
 
     torch.set_num_threads(threads)
     hf_logging.set_verbosity_error()

@@ -7,7 +7,7 @@ of batch-1 decode — in the main thread, first alone, then while N other thread
 run the same matmuls stay alive (blocked on an event), then after they exit. Each such thread owns
 an OpenMP team while it lives; with more OpenMP threads than CPUs libgomp puts idle workers to
 sleep instead of spinning, and every parallel op then pays a wake-up. This is why the engine's
-loader thread ends after each load (`polylane/runtime/load_thread.py`).
+loader thread ends after each load (`polylane/runtime/loading/load_thread.py`).
 """
 
 from __future__ import annotations

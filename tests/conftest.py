@@ -57,7 +57,7 @@ _LOADED: dict[tuple[str, str], object] = {}
 @pytest.fixture(scope="session")
 def load_real_model() -> Callable[..., object]:
     """load_real_model(name, dtype="fp32") → LoadedModel, shared by every test of the session."""
-    from polylane.runtime.loaded_model import load_model
+    from polylane.runtime.loading.loaded_model import load_model
 
     def load(name: str, dtype: str = "fp32"):
         key = (name, dtype)

@@ -44,7 +44,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 def _cmd_models_inspect(args: argparse.Namespace) -> int:
     from polylane.policy.sharing.layer_share import shared_band
-    from polylane.runtime.loaded_model import digest_of
+    from polylane.runtime.loading.loaded_model import digest_of
 
     first, second = (digest_of(name, args.dtype, quiet=False) for name in (args.a, args.b))
     band = shared_band(first, second)
@@ -73,7 +73,7 @@ def _cmd_models_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_models_sibling(args: argparse.Namespace) -> int:
-    from polylane.runtime.siblings import SiblingSpec, write_sibling
+    from polylane.runtime.residency.siblings import SiblingSpec, write_sibling
 
     spec = SiblingSpec(
         top_layers=args.top_layers,
@@ -100,7 +100,7 @@ def _cmd_models_sibling(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    from polylane.runtime.device import free_memory_bytes, resolve_device
+    from polylane.runtime.model.device import free_memory_bytes, resolve_device
     from polylane.server import config as server_config
     from polylane.server.app import serve
 
@@ -185,7 +185,7 @@ class _VersionAction(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        from polylane.runtime.compute_paths import version_text
+        from polylane.runtime.model.compute_paths import version_text
 
         print(version_text())
         parser.exit()

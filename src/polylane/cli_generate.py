@@ -77,7 +77,7 @@ def _sampling_and_device(parser: argparse.ArgumentParser, temperature: float | N
 def _load(args: argparse.Namespace, name: str) -> Any:
     import torch
 
-    from polylane.runtime.loaded_model import load_model
+    from polylane.runtime.loading.loaded_model import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -93,8 +93,8 @@ def _params(args: argparse.Namespace, defaults: SamplingDefaults, max_tokens: in
 
 def _stream(generator: Any, prompt_ids: list[int], params: Any) -> tuple[Any, str]:
     """Generate one reply, writing its text as it comes; (the output, its whole text)."""
-    from polylane.runtime.detokenizer import IncrementalDetokenizer
     from polylane.runtime.generate import GenerationRequest
+    from polylane.runtime.sampling.detokenizer import IncrementalDetokenizer
 
     tokenizer = generator.model.tokenizer
     detokenizer = IncrementalDetokenizer(tokenizer)
@@ -114,7 +114,7 @@ def _stream(generator: Any, prompt_ids: list[int], params: Any) -> tuple[Any, st
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from polylane.runtime.generate import Generator
-    from polylane.runtime.tokenizer import ChatTemplateError
+    from polylane.runtime.sampling.tokenizer import ChatTemplateError
 
     if len(args.words) > 2:
         raise ValueError("generate takes [MODEL] PROMPT: quote a prompt of several words")
@@ -149,7 +149,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_chat(args: argparse.Namespace) -> int:
     from polylane.runtime.generate import Generator
-    from polylane.runtime.sampling_defaults import read_sampling_defaults
+    from polylane.runtime.sampling.defaults import read_sampling_defaults
 
     source = catalog.resolve(args.model)
     model = _load(args, args.model)

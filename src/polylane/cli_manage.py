@@ -66,7 +66,7 @@ def _megabytes(size: int) -> str:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
-    from polylane.runtime.converted import conversions_of, converted_dir
+    from polylane.runtime.loading.converted import conversions_of, converted_dir
 
     print(
         f"{'name':30} {'arch':7} {'params':>6} {'quant':7} {'file':>9}  {'cached':6} {'converted':>9}  chat"
@@ -134,7 +134,7 @@ def _duration(seconds: float) -> str:
 def _cmd_rm(args: argparse.Namespace) -> int:
     """Remove a catalogue model's fetched file and the weights converted from it; for a local file,
     only its conversions (the file itself is the user's)."""
-    from polylane.runtime.converted import remove_conversions
+    from polylane.runtime.loading.converted import remove_conversions
 
     for name in args.models:
         entry = catalog.CATALOG.get(name)

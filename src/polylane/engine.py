@@ -33,16 +33,16 @@ from polylane.policy.scheduling.scheduler import Scheduler, SchedulerConfig
 from polylane.policy.scheduling.stop_strings import StopStringMatcher
 from polylane.policy.speculation.control import SpeculationConfig
 from polylane.runtime.cpu_load import ComputeThreads
-from polylane.runtime.detokenizer import IncrementalDetokenizer
-from polylane.runtime.digests import cached_digest
-from polylane.runtime.grammar import Constraint
-from polylane.runtime.load_thread import TransientWorker
-from polylane.runtime.loader import estimate_weight_bytes, read_config
-from polylane.runtime.residency import DEFAULT_KV_TOKENS, ModelLease, ResidencyManager
+from polylane.runtime.loading.digests import cached_digest
+from polylane.runtime.loading.load_thread import TransientWorker
+from polylane.runtime.loading.loader import estimate_weight_bytes, read_config
+from polylane.runtime.residency.manager import DEFAULT_KV_TOKENS, ModelLease, ResidencyManager
 from polylane.runtime.runner import Runner
-from polylane.runtime.sampling_defaults import read_sampling_defaults
-from polylane.runtime.spec_setup import SpeculationSetup
-from polylane.runtime.tokenizer import ChatTemplateError, Tokenizer, load_tokenizer
+from polylane.runtime.sampling.defaults import read_sampling_defaults
+from polylane.runtime.sampling.detokenizer import IncrementalDetokenizer
+from polylane.runtime.sampling.grammar import Constraint
+from polylane.runtime.sampling.tokenizer import ChatTemplateError, Tokenizer, load_tokenizer
+from polylane.runtime.speculation.setup import SpeculationSetup
 from polylane.types import DEFAULT_DTYPE, SamplingDefaults, SamplingParams, StepPlan, StepResult, TokenLogprob
 
 log = logging.getLogger(__name__)

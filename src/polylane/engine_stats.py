@@ -56,7 +56,7 @@ class EngineStats:
     switch_overhead: float
     models: dict[str, ModelStats]
     residency: Any  # ManagerCounters
-    speculation: tuple[Any, ...] = ()  # a `runtime.spec_setup.PairSnapshot` per (target, drafter)
+    speculation: tuple[Any, ...] = ()  # a `runtime.speculation.setup.PairSnapshot` per (target, drafter)
 
     @property
     def lane_share(self) -> dict[str, float]:

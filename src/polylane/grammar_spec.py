@@ -4,7 +4,7 @@ What this module owns: turning a JSON schema, "any JSON object", a regular expre
 of strings into a `GrammarSpec` (llguidance's serialised grammar), and refusing what the grammar
 engine cannot enforce with a message that names it (`GrammarError`, a 400 at the server). No
 tokenizer is needed here: the grammar is compiled per model when the request is queued
-(`runtime/grammar.py`).
+(`runtime/sampling/grammar.py`).
 
 The engine is llguidance (`bench/grammar_mask.py` measures it against xgrammar on the CPU). JSON
 is generated without free whitespace (`whitespace_flexible` off): a small model let loose on

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from polylane.policy.kv.sequence_blocks import validate_tree
 
 # Weight dtypes a model can be served at: float32, bfloat16, or weight-only int8 / int4 projections
-# (`runtime.quantize`: torch's CPU kernels, float32 activations and KV around them).
-# "auto": the file's own — a GGUF file's quantised blocks computed in place (runtime.gguf_in_place),
+# (`runtime.model.quantize`: torch's CPU kernels, float32 activations and KV around them).
+# "auto": the file's own — a GGUF file's quantised blocks computed in place (runtime.loading.gguf_in_place),
 # activations rounded to 8 bits for integer dot products as llama.cpp does; "auto-fp32": the same
 # blocks multiplied with float32 activations (the fp32 product of the file's values; slower).
 WEIGHT_DTYPES = ("auto", "auto-fp32", "fp32", "bf16", "int8", "int4")
@@ -21,7 +21,7 @@ GREEDY_BELOW_TEMPERATURE = 1e-4
 
 class LoadError(RuntimeError):
     """A model file could not be loaded; the message names the file and the reason. (Here, not in
-    `runtime.loader`, so that the command line catches it without importing torch.)"""
+    `runtime.loading.loader`, so that the command line catches it without importing torch.)"""
 
 
 SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")  # what SamplingDefaults fills in
@@ -30,7 +30,7 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p")  # what SamplingDef
 @dataclass(frozen=True)
 class SamplingDefaults:
     """What a request that leaves temperature, top-k, top-p or min-p unset gets: the model's own
-    settings where its file states them (`runtime.sampling_defaults`), `serve`'s flags over them,
+    settings where its file states them (`runtime.sampling.defaults`), `serve`'s flags over them,
     else these documented values (llama-server's defaults). A request's explicit value always wins
     (`temperature: 0` stays greedy)."""
 

@@ -10,7 +10,7 @@ import pytest
 
 from polylane import catalog
 from polylane.cli import main
-from polylane.runtime import converted
+from polylane.runtime.loading import converted
 from polylane.server.config import ConfigError, model_decl
 from polylane.sizes import parse_bytes
 from tests.conftest import fetch_or_skip

@@ -8,8 +8,8 @@ import pytest
 
 from polylane import catalog
 from polylane.cli import main
-from polylane.runtime import converted
-from polylane.runtime.file_identity import content_digest
+from polylane.runtime.loading import converted
+from polylane.runtime.loading.file_identity import content_digest
 
 NAME = "smollm2-135m-instruct"
 

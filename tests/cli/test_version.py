@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from polylane.runtime.compute_paths import native_unavailable_reason
+from polylane.runtime.model.compute_paths import native_unavailable_reason
 from polylane.runtime.native import stack as native
 from polylane.types import WEIGHT_DTYPES
 

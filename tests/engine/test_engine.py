@@ -16,8 +16,8 @@ import polylane.engine as engine_module
 from polylane.engine import Engine, EngineConfig, RequestTooLongError, UnknownModelError
 from polylane.policy.scheduling.scheduler import SchedulerConfig
 from polylane.runtime.generate import GenerationRequest, Generator
-from polylane.runtime.loader import estimate_weight_bytes
-from polylane.runtime.tokenizer import ChatTemplateError
+from polylane.runtime.loading.loader import estimate_weight_bytes
+from polylane.runtime.sampling.tokenizer import ChatTemplateError
 from polylane.types import SamplingParams
 from tests.conftest import fetch_or_skip
 
@@ -51,7 +51,7 @@ def _alone(
     engine: Engine, name: str, prompts: list[list[int]], max_tokens: int, dtype: str = DTYPE
 ) -> list[list[int]]:
     """Each prompt run alone (batch of one, no prefix cache) on the model the engine serves."""
-    from polylane.runtime.loaded_model import load_model
+    from polylane.runtime.loading.loaded_model import load_model
 
     model = load_model(name, dtype, quiet=True)
     generator = Generator(model, num_blocks=64, block_size=16)
@@ -121,7 +121,7 @@ def test_twelve_requests_over_three_models_under_a_two_model_budget(record_prope
 
 def test_no_loader_thread_outlives_its_loads():
     """A live thread that ran torch ops (a load) keeps an OpenMP team that halved decode speed
-    (`runtime.load_thread`): the engine's loader thread must end once its loads are done."""
+    (`runtime.loading.load_thread`): the engine's loader thread must end once its loads are done."""
     fetch_or_skip(SMOL)
     with Engine(EngineConfig(budget_bytes=_size(SMOL))) as engine:
         engine.add_model(SMOL, dtype=DTYPE, kv_tokens=KV_TOKENS)
@@ -310,7 +310,7 @@ def test_a_model_that_fails_to_load_fails_only_its_requests(tmp_path):
 
 
 def test_a_sampler_that_fails_fails_only_its_request(monkeypatch):
-    from polylane.runtime.sampler import RequestSampler
+    from polylane.runtime.sampling.sampler import RequestSampler
 
     real_sample = RequestSampler.sample
 

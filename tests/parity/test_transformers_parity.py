@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from polylane import catalog
-from polylane.runtime.file_identity import content_digest, write_atomically
 from polylane.runtime.generate import GenerationRequest, Generator
+from polylane.runtime.loading.file_identity import content_digest, write_atomically
 from polylane.types import SamplingParams
 from tests.conftest import fetch_or_skip, unload_real_model
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from polylane.runtime.batch import build_forward_batch
-from polylane.runtime.kv_cache import PagedKVCache
+from polylane.runtime.kv.kv_cache import PagedKVCache
+from polylane.runtime.model.batch import build_forward_batch
 from polylane.types import SequenceChunk
 from tests.runtime.test_spec_distribution import tiny_model
 

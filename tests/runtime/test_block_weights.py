@@ -1,4 +1,4 @@
-"""GGUF block formats computed in place (blocks.c through `runtime.block_weights`).
+"""GGUF block formats computed in place (blocks.c through `runtime.model.block_weights`).
 
 Every format dequantises to exactly what the `gguf` package (ggml's reference code, ported) gives
 for the same bytes; products agree with a float64 product of those values; each output row is the
@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from polylane.runtime.block_weights import (
+from polylane.runtime.model.block_weights import (
     BLOCK_FORMATS,
     BlockEmbedding,
     BlockProjection,

@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from polylane.runtime import converted, file_identity
 from polylane.runtime.generate import GenerationRequest, Generator
-from polylane.runtime.loaded_model import load_model
+from polylane.runtime.loading import converted, file_identity
+from polylane.runtime.loading.loaded_model import load_model
 from polylane.types import SamplingParams
 from tests.conftest import fetch_or_skip
 

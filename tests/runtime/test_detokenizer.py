@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from polylane import catalog
-from polylane.runtime.detokenizer import IncrementalDetokenizer
-from polylane.runtime.tokenizer import load_tokenizer
+from polylane.runtime.sampling.detokenizer import IncrementalDetokenizer
+from polylane.runtime.sampling.tokenizer import load_tokenizer
 
 TEXT = "Crabs 🦀 and snakes 🐍 say héllo — 你好!"
 

@@ -13,10 +13,10 @@ import sys
 import pytest
 import torch
 
-from polylane.runtime.device import DeviceError, place_model, resolve_device
 from polylane.runtime.generate import GenerationRequest, Generator
-from polylane.runtime.model_kv import Extend, ModelKV
-from polylane.runtime.quantize import QuantizedProjection, quantize_model
+from polylane.runtime.kv.model_kv import Extend, ModelKV
+from polylane.runtime.model.device import DeviceError, place_model, resolve_device
+from polylane.runtime.model.quantize import QuantizedProjection, quantize_model
 from polylane.types import SamplingParams
 from tests.conftest import fetch_or_skip
 from tests.runtime.test_spec_distribution import tiny_model
@@ -135,7 +135,7 @@ def test_a_model_on_cuda_gives_the_logits_it_gives_on_the_cpu(fmt):
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["fp32", "int4"])
 def test_smollm2_on_cuda_decodes_what_it_decodes_on_the_cpu(dtype):
-    from polylane.runtime.loaded_model import load_model
+    from polylane.runtime.loading.loaded_model import load_model
 
     fetch_or_skip(SMOL)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -155,7 +155,7 @@ def test_smollm2_on_cuda_decodes_what_it_decodes_on_the_cpu(dtype):
 
 @needs_cuda
 def test_evicting_a_model_on_cuda_gives_its_device_memory_back():
-    from polylane.runtime.residency import ResidencyManager
+    from polylane.runtime.residency.manager import ResidencyManager
 
     fetch_or_skip(SMOL)
     manager = ResidencyManager(8 * 2**30, device="cuda")

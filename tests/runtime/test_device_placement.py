@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from polylane.policy.kv.sequence_blocks import BlockCopy
-from polylane.runtime.batch import build_forward_batch
-from polylane.runtime.device import place_model
-from polylane.runtime.kv_cache import PagedKVCache
-from polylane.runtime.model_config import GLOBAL, SLIDING, ModelConfig
+from polylane.runtime.kv.kv_cache import PagedKVCache
+from polylane.runtime.model.batch import build_forward_batch
+from polylane.runtime.model.device import place_model
+from polylane.runtime.model.model_config import GLOBAL, SLIDING, ModelConfig
+from polylane.runtime.model.quantize import quantize_model
 from polylane.runtime.models import ARCHITECTURES
-from polylane.runtime.quantize import quantize_model
 from polylane.types import SequenceChunk
 
 META = torch.device("meta")

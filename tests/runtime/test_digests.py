@@ -7,8 +7,8 @@ import os
 
 from polylane import catalog
 from polylane.policy.sharing.layer_share import ModelDigest
-from polylane.runtime import digests
-from polylane.runtime.file_identity import keep_most_recent
+from polylane.runtime.loading import digests
+from polylane.runtime.loading.file_identity import keep_most_recent
 
 DIGEST = ModelDigest(
     embedding="e", layers=("a", "b"), head="h", tokenizer="t", rope="r", kv_layout="k", compute="c"

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from polylane.runtime.block_weights import isa_name as block_isa_name
-from polylane.runtime.compute_paths import stack_unavailable_reason
-from polylane.runtime.loader import estimate_weight_bytes
-from polylane.runtime.model_kv import Extend, ModelKV
+from polylane.runtime.kv.model_kv import Extend, ModelKV
+from polylane.runtime.loading.loader import estimate_weight_bytes
+from polylane.runtime.model.block_weights import isa_name as block_isa_name
+from polylane.runtime.model.compute_paths import stack_unavailable_reason
 from tests.conftest import fetch_or_skip
 
 TEXT = " ".join(
@@ -80,7 +80,7 @@ def test_the_model_costs_its_files_bytes_and_nothing_is_converted(
 ):
     source = fetch_or_skip(name)
     monkeypatch.setenv("POLYLANE_CACHE_DIR", str(tmp_path))  # a conversion would land here
-    from polylane.runtime.loaded_model import load_model
+    from polylane.runtime.loading.loaded_model import load_model
 
     model = load_model(str(source.path), "auto", quiet=True)
     file_bytes = estimate_weight_bytes(source.path, "gguf", "auto")

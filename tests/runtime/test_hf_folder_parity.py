@@ -27,10 +27,10 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from polylane.runtime.batch import build_forward_batch
-from polylane.runtime.kv_cache import PagedKVCache
-from polylane.runtime.loader import LoadedWeights, load_hf_folder
-from polylane.runtime.model_config import GLOBAL, SLIDING
+from polylane.runtime.kv.kv_cache import PagedKVCache
+from polylane.runtime.loading.loader import LoadedWeights, load_hf_folder
+from polylane.runtime.model.batch import build_forward_batch
+from polylane.runtime.model.model_config import GLOBAL, SLIDING
 from polylane.types import SequenceChunk
 
 VOCAB = 128

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from polylane.runtime.generate import GenerationRequest, Generator
-from polylane.runtime.model_kv import Extend, ModelKV
+from polylane.runtime.kv.model_kv import Extend, ModelKV
 from polylane.types import SamplingParams
 
 TOLERANCE = 1e-4  # float32 logits, max-abs, cached prefix vs cold prefill

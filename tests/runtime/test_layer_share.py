@@ -22,12 +22,12 @@ import torch
 
 from polylane.cli import main
 from polylane.policy.sharing.layer_share import shared_band
-from polylane.runtime.digests import compute_digest
-from polylane.runtime.layer_share import LayerShare
-from polylane.runtime.loaded_model import LoadedModel, load_model
-from polylane.runtime.loader import read_config
-from polylane.runtime.model_kv import Extend, ModelKV
-from polylane.runtime.siblings import SIBLING_RECORD, SiblingSpec, ensure_sibling
+from polylane.runtime.kv.model_kv import Extend, ModelKV
+from polylane.runtime.loading.digests import compute_digest
+from polylane.runtime.loading.loaded_model import LoadedModel, load_model
+from polylane.runtime.loading.loader import read_config
+from polylane.runtime.residency.siblings import SIBLING_RECORD, SiblingSpec, ensure_sibling
+from polylane.runtime.sharing.layer_share import LayerShare
 
 BASE = "smollm2-135m-instruct"
 SPEC = SiblingSpec(top_layers=15, seed=1)

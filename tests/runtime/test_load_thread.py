@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from polylane.runtime.load_thread import TransientWorker, run_in_transient_thread
+from polylane.runtime.loading.load_thread import TransientWorker, run_in_transient_thread
 
 
 def _wait_until(condition, timeout: float = 5.0) -> None:

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from polylane import catalog
-from polylane.runtime.loader import LoadError, load_gguf, load_hf_folder
+from polylane.runtime.loading.loader import LoadError, load_gguf, load_hf_folder
 
 HEADER_CUT_BYTES = 1_000
 DROPPED_TENSOR = "model.layers.1.mlp.down_proj.weight"
@@ -81,7 +81,7 @@ def test_truncated_tensor_data_says_truncated(smollm2_bytes: bytes, tmp_path: Pa
 def _with_nan(smollm2_bytes: bytes, path: Path, tensor: str, byte: int) -> Path:
     """A copy of SmolLM2's file with the float at `byte` of `tensor`'s data set to NaN (a float32
     in an F32 tensor, else a float16: a block's scale)."""
-    from polylane.runtime.gguf_file import GGUFFile
+    from polylane.runtime.loading.gguf_file import GGUFFile
 
     source = catalog.resolve("smollm2-135m-instruct", quiet=True).path
     info = GGUFFile(source).tensors[tensor]
@@ -110,7 +110,7 @@ LOADS = [(*case, "auto") for case in NAN_CASES] + [(*NAN_CASES[0], "fp32"), (*NA
 def test_a_nan_in_the_file_fails_its_load_naming_the_tensor(
     smollm2_bytes: bytes, tmp_path: Path, tensor: str, byte: int, kind: str, dtype: str
 ) -> None:
-    from polylane.runtime.gguf_in_place import load_gguf_in_place
+    from polylane.runtime.loading.gguf_in_place import load_gguf_in_place
 
     path = _with_nan(smollm2_bytes, tmp_path / "nan.gguf", tensor, byte)
     with pytest.raises(LoadError) as caught:
@@ -123,7 +123,7 @@ def test_a_nan_in_the_file_fails_its_load_naming_the_tensor(
 
 def test_the_nan_tests_change_bytes_the_model_reads(smollm2_bytes: bytes, tmp_path: Path) -> None:
     # The control: the same bytes made a finite float16 load, and change what the model computes.
-    from polylane.runtime.gguf_file import GGUFFile
+    from polylane.runtime.loading.gguf_file import GGUFFile
 
     source = catalog.resolve("smollm2-135m-instruct", quiet=True).path
     intact = GGUFFile(source)

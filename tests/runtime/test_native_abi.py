@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from polylane.runtime import block_weights
+from polylane.runtime.model import block_weights
 from polylane.runtime.native import abi, build, stack
 
 STACK_STRUCTS = [stack.Matrix, stack.Layer, stack.Model, stack.Step]

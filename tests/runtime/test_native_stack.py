@@ -24,13 +24,13 @@ import logging
 import pytest
 import torch
 
-from polylane.runtime.batch import build_forward_batch
-from polylane.runtime.compute_paths import native_unavailable_reason, why_not_native
-from polylane.runtime.kv_cache import PagedKVCache
-from polylane.runtime.layers import Projection
+from polylane.runtime.kv.kv_cache import PagedKVCache
+from polylane.runtime.model.batch import build_forward_batch
+from polylane.runtime.model.compute_paths import native_unavailable_reason, why_not_native
+from polylane.runtime.model.layers import Projection
+from polylane.runtime.model.quantize import QuantizedProjection
 from polylane.runtime.native import build
 from polylane.runtime.native import stack as native
-from polylane.runtime.quantize import QuantizedProjection
 from polylane.types import SequenceChunk
 
 needs_native = pytest.mark.skipif(native.kernel_name() is None, reason=str(native_unavailable_reason()))

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from polylane.runtime.int4_layout import Int4Layout, packing_layout
-from polylane.runtime.quantize import QuantizedProjection, module_bytes, quantize_model
+from polylane.runtime.model.int4_layout import Int4Layout, packing_layout
+from polylane.runtime.model.quantize import QuantizedProjection, module_bytes, quantize_model
 from tests.runtime.test_spec_distribution import tiny_model
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -143,7 +143,7 @@ def test_int4_tests_pass_at_every_capability_torch_packs_for(capability):
 def test_int4_many_rows_go_through_the_dequantised_weight(monkeypatch):
     """From DEQUANTIZE_MIN_ROWS rows a projection multiplies by the unpacked bf16 weight; the
     result agrees with torch's int4 kernel to bf16 rounding of the output."""
-    import polylane.runtime.quantize as quantize
+    import polylane.runtime.model.quantize as quantize
 
     torch.manual_seed(0)
     projection = QuantizedProjection(torch.randn(192, 96), torch.randn(192), 4)
@@ -173,7 +173,7 @@ def test_int4_many_rows_go_through_the_dequantised_weight(monkeypatch):
 def test_int8_many_rows_go_through_a_bf16_gemm_of_the_codes(monkeypatch):
     """From INT8_GEMM_MIN_ROWS rows an int8 projection multiplies by its codes in bf16 (exact) and
     scales each output after; the result agrees with torch's int8 kernel to bf16 rounding."""
-    import polylane.runtime.quantize as quantize
+    import polylane.runtime.model.quantize as quantize
 
     torch.manual_seed(0)
     projection = QuantizedProjection(torch.randn(192, 96), torch.randn(192), 8)

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from polylane.engine import Engine, EngineConfig
-from polylane.runtime.batch import build_forward_batch
-from polylane.runtime.compute_paths import why_not_native
 from polylane.runtime.generate import GenerationRequest, Generator
-from polylane.runtime.kv_cache import PagedKVCache
+from polylane.runtime.kv.kv_cache import PagedKVCache
+from polylane.runtime.model.batch import build_forward_batch
+from polylane.runtime.model.compute_paths import why_not_native
 from polylane.types import SamplingParams, SequenceChunk
 from tests.conftest import fetch_or_skip
 
@@ -88,7 +88,7 @@ def test_quantised_logits_within_documented_tolerance(load_real_model, dtype):
 
 @pytest.mark.parametrize("path", ["torch", "native"])
 def test_a_long_int4_prompt_agrees_with_float32(load_real_model, path):
-    from polylane.runtime.quantize import DEQUANTIZE_MIN_ROWS
+    from polylane.runtime.model.quantize import DEQUANTIZE_MIN_ROWS
 
     fetch_or_skip(SMOL)
     reference = load_real_model(SMOL)

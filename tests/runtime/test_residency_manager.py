@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from polylane.policy.residency.pool import NoRoomError
-from polylane.runtime.gguf_file import GGUFFile
-from polylane.runtime.loader import estimate_weight_bytes
-from polylane.runtime.model_kv import Extend
-from polylane.runtime.residency import ModelLoadError, ResidencyManager
+from polylane.runtime.kv.model_kv import Extend
+from polylane.runtime.loading.gguf_file import GGUFFile
+from polylane.runtime.loading.loader import estimate_weight_bytes
+from polylane.runtime.residency.manager import ModelLoadError, ResidencyManager
 from tests.conftest import fetch_or_skip
 
 SMOL, GEMMA, QWEN = "smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-instruct"
@@ -83,7 +83,7 @@ def test_budget_for_two_of_three_evicts_the_least_recently_used(record_property)
 
 RSS_SCRIPT = """
 import json, psutil
-from polylane.runtime.residency import ResidencyManager
+from polylane.runtime.residency.manager import ResidencyManager
 rss = lambda: psutil.Process().memory_info().rss
 manager = ResidencyManager(8 * 2**30, device="cpu")  # host memory is what this measures
 manager.register("m", SOURCE, dtype="bf16", kv_tokens=256)

@@ -1,4 +1,4 @@
-"""Tests for polylane.runtime.sampler: greedy, seeding, the filters, and the distribution drawn."""
+"""Tests for polylane.runtime.sampling.sampler: greedy, seeding, the filters, and the distribution drawn."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polylane.runtime.sampler import RequestSampler, sample_rows
+from polylane.runtime.sampling.sampler import RequestSampler, sample_rows
 from polylane.types import SamplingParams
 
 # probs [0.5, 0.3, 0.15, 0.05] as log-probs: the known distribution for the filter tests.

@@ -19,15 +19,15 @@ from scipy.stats import chisquare
 from polylane import catalog
 from polylane.policy.speculation.control import SpeculationConfig
 from polylane.policy.speculation.tree import TreeShape
-from polylane.runtime import spec_verify
-from polylane.runtime.drafters import ModelDrafter
-from polylane.runtime.loaded_model import LoadedModel
-from polylane.runtime.model_config import GLOBAL, ModelConfig
-from polylane.runtime.model_kv import Extend, ModelKV
+from polylane.runtime.kv.model_kv import Extend, ModelKV
+from polylane.runtime.loading.loaded_model import LoadedModel
+from polylane.runtime.model.model_config import GLOBAL, ModelConfig
 from polylane.runtime.models.llama import LlamaModel
-from polylane.runtime.sampler import RequestSampler
-from polylane.runtime.spec_generate import split_rows
-from polylane.runtime.speculator import SpecRequest, Speculator
+from polylane.runtime.sampling.sampler import RequestSampler
+from polylane.runtime.speculation import verify as spec_verify
+from polylane.runtime.speculation.drafters import ModelDrafter
+from polylane.runtime.speculation.generate import split_rows
+from polylane.runtime.speculation.speculator import SpecRequest, Speculator
 from polylane.types import SamplingParams
 
 VOCAB = 6

@@ -1,4 +1,4 @@
-"""A draft under a grammar (`runtime/spec_grammar.py`), on SmolLM2's real tokenizer: the forced
+"""A draft under a grammar (`runtime/speculation/grammar.py`), on SmolLM2's real tokenizer: the forced
 tokens come first, a forbidden token is never proposed (its subtree goes with it), and each verify
 row is masked with the grammar's state after its own node's path."""
 
@@ -10,11 +10,11 @@ import torch
 from polylane import catalog
 from polylane.grammar_spec import grammar_for
 from polylane.policy.speculation.tree import DraftTree, TreeShape
-from polylane.runtime.drafters import DraftJob
-from polylane.runtime.grammar import Constraint
-from polylane.runtime.sampler import RequestSampler
-from polylane.runtime.spec_grammar import constrain_draft, masked_rows
-from polylane.runtime.tokenizer import load_tokenizer
+from polylane.runtime.sampling.grammar import Constraint
+from polylane.runtime.sampling.sampler import RequestSampler
+from polylane.runtime.sampling.tokenizer import load_tokenizer
+from polylane.runtime.speculation.drafters import DraftJob
+from polylane.runtime.speculation.grammar import constrain_draft, masked_rows
 from polylane.types import SamplingParams
 from tests.conftest import fetch_or_skip
 

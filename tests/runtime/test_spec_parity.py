@@ -16,12 +16,12 @@ import pytest
 
 from polylane.policy.speculation.control import SpeculationConfig
 from polylane.policy.speculation.tree import TreeShape
-from polylane.runtime.drafters import ModelDrafter, NgramDrafter
 from polylane.runtime.generate import GenerationRequest, Generator
-from polylane.runtime.loaded_model import LoadedModel, load_model
-from polylane.runtime.model_kv import ModelKV
-from polylane.runtime.spec_generate import SpeculativeGenerator
-from polylane.runtime.speculator import Speculator
+from polylane.runtime.kv.model_kv import ModelKV
+from polylane.runtime.loading.loaded_model import LoadedModel, load_model
+from polylane.runtime.speculation.drafters import ModelDrafter, NgramDrafter
+from polylane.runtime.speculation.generate import SpeculativeGenerator
+from polylane.runtime.speculation.speculator import Speculator
 from polylane.types import SamplingParams
 from tests.conftest import fetch_or_skip
 

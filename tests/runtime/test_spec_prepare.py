@@ -4,9 +4,9 @@ with nothing to look up decodes plainly and leaves the choice to drafters that c
 from __future__ import annotations
 
 from polylane.policy.speculation.control import SpeculationConfig
-from polylane.runtime.drafters import NgramDrafter
-from polylane.runtime.sampler import RequestSampler
-from polylane.runtime.speculator import SpecRequest, Speculator
+from polylane.runtime.sampling.sampler import RequestSampler
+from polylane.runtime.speculation.drafters import NgramDrafter
+from polylane.runtime.speculation.speculator import SpecRequest, Speculator
 from polylane.types import SamplingParams
 
 

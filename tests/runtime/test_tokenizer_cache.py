@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from polylane import catalog
-from polylane.runtime import tokenizer as tokenizer_module
-from polylane.runtime.tokenizer import load_tokenizer
+from polylane.runtime.sampling import tokenizer as tokenizer_module
+from polylane.runtime.sampling.tokenizer import load_tokenizer
 from tests.conftest import fetch_or_skip
 
 EOS_KEY = b"tokenizer.ggml.eos_token_id"

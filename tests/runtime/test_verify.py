@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polylane.runtime.model_kv import Extend, ModelKV
+from polylane.runtime.kv.model_kv import Extend, ModelKV
 
 TOLERANCE = 1e-4  # float32 logits, max-abs
 TEXT = "The history of the printing press begins in China, where woodblock printing was used"

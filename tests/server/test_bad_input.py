@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from polylane.runtime.tokenizer import ChatTemplateError
+from polylane.runtime.sampling.tokenizer import ChatTemplateError
 from tests.server.conftest import GEMMA, QWEN, SMOL, LiveServer, assert_error
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from polylane.runtime.siblings import SIBLING_RECORD, SiblingSpec, sibling_path
+from polylane.runtime.residency.siblings import SIBLING_RECORD, SiblingSpec, sibling_path
 from polylane.server.config import ConfigError, ensure_siblings, models_from_file
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from polylane.runtime.gguf_file import GGUFFile
+from polylane.runtime.loading.gguf_file import GGUFFile
 from polylane.server.app import build_state
 from polylane.server.config import ModelDecl, ServerConfig
 from tests.conftest import fetch_or_skip

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from polylane.runtime.sampling_defaults import read_sampling_defaults
+from polylane.runtime.sampling.defaults import read_sampling_defaults
 from polylane.server.config import ConfigError, sampling_overrides
 from polylane.types import SamplingDefaults
 from tests.server.conftest import SMOL

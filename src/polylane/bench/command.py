@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     from polylane.bench import harness
     from polylane.bench.systems import SystemSettings
     from polylane.bench.workloads import WorkloadOptions
-    from polylane.runtime.device import free_memory_bytes, resolve_device
+    from polylane.runtime.model.device import free_memory_bytes, resolve_device
     from polylane.server.config import parse_size
 
     out = Path(args.out or Path("bench") / "out" / args.workload)

@@ -8,7 +8,7 @@ stream events, and reading `Engine.stats()` into `EngineCounters`. It does not d
 
 Model sources: a catalogue name or a path, or `sibling:N` — the first model's sibling with its top
 N layers changed by a seeded perturbation (`polylane models sibling`, seed 1), written once under
-the cache and reused (`runtime.siblings.ensure_sibling`): it shares the band `[0, layers − N)` with
+the cache and reused (`runtime.residency.siblings.ensure_sibling`): it shares the band `[0, layers − N)` with
 the first model.
 
 Speculation counters: `engine_counters` sums `stats.speculation` (one snapshot per (target,
@@ -34,7 +34,7 @@ from polylane.bench.workloads import BenchRequest, document
 from polylane.engine import Engine, EngineConfig, RequestHandle
 from polylane.grammar_spec import grammar_for
 from polylane.policy.scheduling.scheduler import SchedulerConfig
-from polylane.runtime.residency import ResidencyManager
+from polylane.runtime.residency.manager import ResidencyManager
 from polylane.types import DEFAULT_DTYPE, SamplingParams
 
 
@@ -48,7 +48,7 @@ class EngineSetup:
     kv_tokens: int = 2048
     lane_policy: str = "throughput"
     prefix_cache: bool = True
-    device: str = "auto"  # where the engine's models run (`runtime.device`)
+    device: str = "auto"  # where the engine's models run (`runtime.model.device`)
     threads: int = 0  # compute threads (0: adapt to the machine's load, `EngineConfig.threads`)
     # The first model's speculation, as `Engine.add_model(speculation=...)` takes it (JSON-able:
     # True, drafter names, or a dict of `SpeculationConfig` fields); None: no speculation.
@@ -64,7 +64,7 @@ def resolve_source(source: str, models: tuple[tuple[str, str], ...]) -> str:
     sibling with its top N layers changed (written now if it is not on disk yet)."""
     if not source.startswith(SIBLING_PREFIX):
         return source
-    from polylane.runtime.siblings import SiblingSpec, ensure_sibling
+    from polylane.runtime.residency.siblings import SiblingSpec, ensure_sibling
 
     top_layers = int(source.removeprefix(SIBLING_PREFIX))
     provider = models[0][1]

@@ -28,8 +28,8 @@ from typing import Any
 from polylane import catalog
 from polylane.bench.metrics import RequestTimeline
 from polylane.bench.workloads import BenchRequest, Phase
-from polylane.runtime.device import resolve_device
-from polylane.runtime.tokenizer import Tokenizer, load_tokenizer
+from polylane.runtime.model.device import resolve_device
+from polylane.runtime.sampling.tokenizer import Tokenizer, load_tokenizer
 
 PROMPT_LOOKUP = "prompt-lookup"
 PROMPT_LOOKUP_TOKENS = 10

@@ -25,7 +25,7 @@ from typing import Any
 from polylane import catalog
 from polylane.bench.metrics import RequestTimeline
 from polylane.bench.workloads import BenchRequest, Phase
-from polylane.runtime.tokenizer import Tokenizer, load_tokenizer
+from polylane.runtime.sampling.tokenizer import Tokenizer, load_tokenizer
 
 CONTEXT_TOKENS = 4096
 

@@ -113,7 +113,7 @@ def _free_port() -> int:
 
 def _broken_files(folder: Path) -> dict[str, Path]:
     """A truncated copy of SmolLM2's file, one with a corrupt header and one with a NaN block scale."""
-    from polylane.runtime.gguf_file import GGUFFile
+    from polylane.runtime.loading.gguf_file import GGUFFile
 
     source = catalog.resolve("smollm2-135m-instruct", quiet=True).path
     data = source.read_bytes()

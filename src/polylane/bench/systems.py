@@ -83,7 +83,7 @@ class SystemSettings:
     kv_tokens: int = 2048
     lane_policy: str = "throughput"
     threads: int = 0  # compute threads per process (0: polylane adapts to the load, others torch's default)
-    device: str = "auto"  # where polylane's engines run (`runtime.device`)
+    device: str = "auto"  # where polylane's engines run (`runtime.model.device`)
     drafter: str | None = None  # transformers-assisted: the assistant model's source
     # polylane's speculation for the first model, as `Engine.add_model(speculation=...)` takes it
     # (JSON-able: True, drafter names, or a dict of `SpeculationConfig` fields); None: none.

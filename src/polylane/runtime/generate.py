@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from polylane.runtime.loaded_model import LoadedModel
-from polylane.runtime.model_kv import Extend, KVSequence, ModelKV
-from polylane.runtime.sampler import RequestSampler, sample_rows
+from polylane.runtime.kv.model_kv import Extend, KVSequence, ModelKV
+from polylane.runtime.loading.loaded_model import LoadedModel
+from polylane.runtime.sampling.sampler import RequestSampler, sample_rows
 from polylane.types import SamplingParams
 
 

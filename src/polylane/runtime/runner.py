@@ -31,13 +31,13 @@ import torch
 
 from polylane.policy.kv.blocks import OutOfBlocksError
 from polylane.policy.scheduling.lane import LaneMonitor
-from polylane.runtime.grammar import Constraint
-from polylane.runtime.layer_share import LayerShare
-from polylane.runtime.model_kv import Extend, KVSequence, ModelKV
-from polylane.runtime.residency import ModelLease
-from polylane.runtime.sampler import RequestSampler, sample_rows
-from polylane.runtime.spec_generate import split_rows
-from polylane.runtime.speculator import SpecRequest, Speculator
+from polylane.runtime.kv.model_kv import Extend, KVSequence, ModelKV
+from polylane.runtime.residency.manager import ModelLease
+from polylane.runtime.sampling.grammar import Constraint
+from polylane.runtime.sampling.sampler import RequestSampler, sample_rows
+from polylane.runtime.sharing.layer_share import LayerShare
+from polylane.runtime.speculation.generate import split_rows
+from polylane.runtime.speculation.speculator import SpecRequest, Speculator
 from polylane.types import SamplingParams, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class _Work:
 class Runner:
     def __init__(self, monitor: LaneMonitor | None = None, sharing: LayerShare | None = None) -> None:
         self.monitor = monitor or LaneMonitor()
-        self.sharing = sharing or LayerShare()  # cross-model prefill share (`runtime.layer_share`)
+        self.sharing = sharing or LayerShare()  # cross-model prefill share (`runtime.sharing.layer_share`)
         self.leases: dict[str, ModelLease] = {}
         self.requests: dict[int, RunningRequest] = {}
         # speculation: per target model, its speculator and the leases on its drafters' models

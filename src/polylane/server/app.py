@@ -245,7 +245,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
 def serve(config: ServerConfig) -> None:
     import uvicorn
 
-    from polylane.runtime.compute_paths import version_text
+    from polylane.runtime.model.compute_paths import version_text
 
     logs.configure(config.log_level, config.log_format)
     for line in version_text(config.threads).splitlines():

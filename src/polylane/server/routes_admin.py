@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from starlette.concurrency import run_in_threadpool
 
 from polylane.policy.residency.pool import ResidencyError, UnknownModelError
-from polylane.runtime.residency import ModelLoadError
+from polylane.runtime.residency.manager import ModelLoadError
 from polylane.server.errors import ApiError
 from polylane.server.protocol import BudgetRequest
 from polylane.server.routes_openai import list_models, server_state

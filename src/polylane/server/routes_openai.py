@@ -29,7 +29,7 @@ from polylane.engine import (
     StreamEvent,
     UnknownModelError,
 )
-from polylane.runtime.tokenizer import ChatTemplateError
+from polylane.runtime.sampling.tokenizer import ChatTemplateError
 from polylane.server import protocol
 from polylane.server.admission import QueueFullError
 from polylane.server.errors import ApiError, error_body

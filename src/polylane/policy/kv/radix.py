@@ -3,7 +3,7 @@
 What this module owns: the map from cached token prefixes to the block ids holding their KV, one
 pool reference per cached block, the lock counts that keep in-use prefixes from being evicted,
 the LRU clock, and hit statistics. What it does not own: the KV bytes (the runtime's paged cache),
-the blocks of running sequences (their block tables, `runtime/model_kv.py`), and the pool itself.
+the blocks of running sequences (their block tables, `runtime/kv/model_kv.py`), and the pool itself.
 
 Keys are whole blocks. An edge holds a token tuple whose length is a multiple of
 `pool.block_size` and one block id per `block_size` tokens; a partial last block is never cached.
@@ -174,7 +174,7 @@ class PrefixTree:
 
         No lock and no pool reference: the blocks are only valid until the tree changes, so the
         caller (the owner thread, e.g. a model reading a peer's KV through a shared layer band,
-        `runtime.layer_share`) copies what it needs at once. No split and no statistics (the
+        `runtime.sharing.layer_share`) copies what it needs at once. No split and no statistics (the
         peer's hit rate stays its own); the nodes read are touched for LRU, as a reuse.
         """
         tokens = self._full_block_tokens(token_ids)

@@ -5,7 +5,7 @@ bytes each one counts against the budget, pins, in-flight request counts, the LR
 eviction priorities, and the counters. It holds the runtime's loaded object only as an opaque
 `handle`, and gives it back in the `Eviction` that drops the model, so the runtime can let go of
 exactly what was evicted. What it does not own: loading, bytes in memory, files, time. No I/O, no
-threads, no torch: `runtime.residency` wraps every call in one lock and does the loading between
+threads, no torch: `runtime.residency.manager` wraps every call in one lock and does the loading between
 `begin_load` and `finish_load` (or `abort_load`).
 
 States. *cold*: registered, not in memory, counts nothing. *loading*: `begin_load` reserved its

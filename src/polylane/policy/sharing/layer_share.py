@@ -2,7 +2,7 @@
 
 Pure policy (no torch). The runtime computes a `ModelDigest` per loaded model (sha256 over the
 bytes of its embedding and of each layer's tensors, plus its tokenizer, RoPE configuration, KV
-layout and layer hyper-parameters; see `runtime.digests`) and hands the digests here:
+layout and layer hyper-parameters; see `runtime.loading.digests`) and hands the digests here:
 
 - `shared_band(a, b)`: two models share the band of layers `[0, L)` when their tokenizer, RoPE,
   KV layout, layer hyper-parameters and embedding agree and so do layers `0 .. L-1`; for the same

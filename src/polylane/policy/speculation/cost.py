@@ -2,7 +2,7 @@
 
 What this module owns: the measured side of the speculation controller's cost model, kept per
 target for as long as the engine serves it (a target whose lease is let go between requests and
-taken again keeps what it measured; see `runtime.spec_setup`). Pure policy: floats, no clocks.
+taken again keeps what it measured; see `runtime.speculation.setup`). Pure policy: floats, no clocks.
 
 - `CostTable`: the target's forward seconds by the tokens it computes, t(n). A forward's cost is
   not a line in n: a native decoder may run small batches and hand larger ones to torch (a jump

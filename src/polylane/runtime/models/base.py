@@ -11,15 +11,15 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from polylane.runtime.batch import ForwardBatch
-from polylane.runtime.kv_cache import PagedKVCache
-from polylane.runtime.layers import ForwardContext, Projection, RMSNorm, RotaryTable, linear
-from polylane.runtime.model_config import GLOBAL, SLIDING, ModelConfig
+from polylane.runtime.kv.kv_cache import PagedKVCache
+from polylane.runtime.model.batch import ForwardBatch
+from polylane.runtime.model.layers import ForwardContext, Projection, RMSNorm, RotaryTable, linear
+from polylane.runtime.model.model_config import GLOBAL, SLIDING, ModelConfig
 
 
 class ForwardBackend(Protocol):
     """The layer stack run outside torch (the native stack, `runtime/native/stack.py`), chosen at load
-    by `runtime/loaded_model.py`: the model class calls it without knowing what it is."""
+    by `runtime/loading/loaded_model.py`: the model class calls it without knowing what it is."""
 
     def forward(
         self,

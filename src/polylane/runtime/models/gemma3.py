@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from polylane.runtime.layers import ForwardContext, GatedMLP, PagedAttention, RMSNorm
-from polylane.runtime.model_config import GLOBAL, SLIDING, ModelConfig
+from polylane.runtime.model.layers import ForwardContext, GatedMLP, PagedAttention, RMSNorm
+from polylane.runtime.model.model_config import GLOBAL, SLIDING, ModelConfig
 from polylane.runtime.models.base import DecoderModel
 from polylane.runtime.models.llama import rope_parameters
 

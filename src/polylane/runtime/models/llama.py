@@ -8,8 +8,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from polylane.runtime.layers import ForwardContext, GatedMLP, PagedAttention, RMSNorm
-from polylane.runtime.model_config import GLOBAL, ModelConfig
+from polylane.runtime.model.layers import ForwardContext, GatedMLP, PagedAttention, RMSNorm
+from polylane.runtime.model.model_config import GLOBAL, ModelConfig
 from polylane.runtime.models.base import DecoderModel
 
 
@@ -71,7 +71,7 @@ def config_from_gguf(meta: dict[str, Any], arch: str = "llama", **overrides: Any
 
 def hf_config(config: ModelConfig, fields: dict[str, Any]) -> dict[str, Any]:
     """A Hugging Face config.json of this architecture: `fields` (the sizes every one has) and its
-    own keys (`runtime/siblings.py` writes it)."""
+    own keys (`runtime/residency/siblings.py` writes it)."""
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", **fields}
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 import polylane.runtime.models.llama as llama
-from polylane.runtime.model_config import ModelConfig
+from polylane.runtime.model.model_config import ModelConfig
 from polylane.runtime.models.base import DecoderModel
 
 

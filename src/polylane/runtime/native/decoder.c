@@ -1234,7 +1234,7 @@ static void embed(const Model *model, int64_t token, float *row) {
 
 /* Keep each token's hidden state `hidden` (T, E) at its slot of `states` (the KV cache's element
  * type) and mark it valid: the boundary states a model sharing its lower layers continues from
- * (runtime/kv_cache.py `write_boundary`, the same rounding). */
+ * (runtime/kv/kv_cache.py `write_boundary`, the same rounding). */
 static void record_boundary(const Model *model, const Step *step, const float *hidden, void *states,
                             uint8_t *valid) {
     const int64_t e = model->hidden;

@@ -1,7 +1,7 @@
 """A Llama/Qwen2/Gemma 3 model's whole layer stack in one native call (decoder.c), and when it runs.
 
 What this module owns: deciding whether a loaded model can run natively (Llama-style or Gemma 3
-blocks and a C compiler; projections a GGUF file's own blocks in place (`runtime.block_weights`,
+blocks and a C compiler; projections a GGUF file's own blocks in place (`runtime.model.block_weights`,
 any row count) on every CPU, or int4, int8, bf16 or float32 with output rows in blocks of 64 on a
 CPU with AVX512-BF16 and VBMI, whose dense kernels they need), describing its weights to the C
 code once (`NativeStack.build`, called by `load_model`), and, per forward, the index arrays the C
@@ -31,16 +31,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from polylane.runtime.batch import ForwardBatch, new_token_visibility
-from polylane.runtime.block_weights import BlockEmbedding, BlockMatrix, BlockProjection, Segment
-from polylane.runtime.int4_layout import packing_layout
-from polylane.runtime.kv_cache import PagedKVCache
-from polylane.runtime.layers import Projection
-from polylane.runtime.model_config import GLOBAL, SLIDING, ModelConfig
+from polylane.runtime.kv.kv_cache import PagedKVCache
+from polylane.runtime.model.batch import ForwardBatch, new_token_visibility
+from polylane.runtime.model.block_weights import BlockEmbedding, BlockMatrix, BlockProjection, Segment
+from polylane.runtime.model.int4_layout import packing_layout
+from polylane.runtime.model.layers import Projection
+from polylane.runtime.model.model_config import GLOBAL, SLIDING, ModelConfig
+from polylane.runtime.model.quantize import QuantizedProjection
 from polylane.runtime.models import ARCHITECTURES
 from polylane.runtime.native import abi
 from polylane.runtime.native.build import load_library
-from polylane.runtime.quantize import QuantizedProjection
 from polylane.types import SequenceChunk
 
 log = logging.getLogger(__name__)
@@ -270,7 +270,7 @@ C_INT4_ROW_AT = tuple(row for j in range(32) for row in (j, j + 32))
 
 def int4_packing_problem() -> str | None:
     """Why int4 weights packed by this process's torch cannot go to decoder.c (torch packs another
-    layout where its kernels were dispatched for AVX2 or none, `runtime.int4_layout`), or None."""
+    layout where its kernels were dispatched for AVX2 or none, `runtime.model.int4_layout`), or None."""
     layout = packing_layout()
     if layout is not None and layout.block_rows == 64 and layout.row_at == C_INT4_ROW_AT:
         return None
@@ -297,7 +297,7 @@ def matmul(projection: nn.Module, x: torch.Tensor, prompt: bool = False) -> torc
 
 
 def _blocks_matrix(module: BlockProjection | BlockEmbedding) -> Matrix:
-    """A GGUF file's tensors in place (`runtime.block_weights`): the C code reads the module's own
+    """A GGUF file's tensors in place (`runtime.model.block_weights`): the C code reads the module's own
     description (its segments and bias), which lives as long as the model."""
     described = module.matrix()
     return Matrix(
