@@ -7,7 +7,7 @@ Loads the model at dtype auto (the file's blocks in place, 8-bit activations) an
 of projection (the fused QKV, the attention output, the fused gate/up, the MLP's down, the output
 matrix) on random activations of each row count: one call per layer's matrix, the best of
 --repeats passes over all layers, reported per matrix and per activation row (µs). Which kernel
-runs follows from the row count (`runtime/native/blocks_q8.c`: one row and up to DECODE_ROWS_BELOW
+runs follows from the row count (`runtime/model/native/blocks_q8.c`: one row and up to DECODE_ROWS_BELOW
 rows take the decode kernels, more the coded path). Set POLYLANE_NATIVE_MARCH=haswell to time the
 AVX2 build on a newer CPU. Prints a table and, last, one JSON line.
 """

@@ -25,7 +25,7 @@ import torch
 from polylane.runtime.kv.kv_cache import PagedKVCache
 from polylane.runtime.loading.loaded_model import load_model
 from polylane.runtime.model.batch import build_forward_batch
-from polylane.runtime.native import stack as native
+from polylane.runtime.model.native import stack as native
 from polylane.types import WEIGHT_DTYPES, SequenceChunk
 
 BLOCK = 16

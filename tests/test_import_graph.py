@@ -74,7 +74,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_polylane_has_no_import_cycle():
     graph = import_graph(SOURCE, "polylane")
-    assert {"polylane.runtime.native.stack", "polylane.policy.kv.radix", "polylane.server.app"} <= set(graph)
+    assert {"polylane.runtime.model.native.stack", "polylane.policy.kv.radix", "polylane.server.app"} <= set(
+        graph
+    )
     assert cycles(graph) == []
 
 

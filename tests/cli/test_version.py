@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from polylane.runtime.model.compute_paths import native_unavailable_reason
-from polylane.runtime.native import stack as native
+from polylane.runtime.model.native import stack as native
 from polylane.types import WEIGHT_DTYPES
 
 

@@ -13,7 +13,7 @@ import shutil
 import pytest
 
 from polylane.runtime.model import block_weights
-from polylane.runtime.native import abi, build, stack
+from polylane.runtime.model.native import abi, build, stack
 
 STACK_STRUCTS = [stack.Matrix, stack.Layer, stack.Model, stack.Step]
 BLOCK_STRUCTS = [block_weights.Segment, block_weights.BlockMatrix]

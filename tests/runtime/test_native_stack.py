@@ -1,4 +1,4 @@
-"""The native stack (runtime/native): what the C kernels compute, and when they run.
+"""The native stack (runtime/model/native): what the C kernels compute, and when they run.
 
 - The matrix kernels (AMX tiles and AVX512-BF16 alike) multiply bf16-rounded activations by the
   weight the packed int4 stores ((q - 8) · scale + zero, `QuantizedProjection.dequantized_float`;
@@ -28,9 +28,9 @@ from polylane.runtime.kv.kv_cache import PagedKVCache
 from polylane.runtime.model.batch import build_forward_batch
 from polylane.runtime.model.compute_paths import native_unavailable_reason, why_not_native
 from polylane.runtime.model.layers import Projection
+from polylane.runtime.model.native import build
+from polylane.runtime.model.native import stack as native
 from polylane.runtime.model.quantize import QuantizedProjection
-from polylane.runtime.native import build
-from polylane.runtime.native import stack as native
 from polylane.types import SequenceChunk
 
 needs_native = pytest.mark.skipif(native.kernel_name() is None, reason=str(native_unavailable_reason()))

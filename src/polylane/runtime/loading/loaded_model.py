@@ -24,10 +24,10 @@ from polylane.runtime.model.block_weights import BlockKernelsUnavailable, format
 from polylane.runtime.model.block_weights import isa_name as block_isa_name
 from polylane.runtime.model.device import model_device, place_model, resolve_device
 from polylane.runtime.model.model_config import ModelConfig
+from polylane.runtime.model.native.stack import NativeStack, runs_natively
+from polylane.runtime.model.native.stack import kernel_name as native_kernel_name
 from polylane.runtime.model.quantize import QUANTISED_FORMATS, module_bytes, quantize_model
 from polylane.runtime.models.base import DecoderModel
-from polylane.runtime.native.stack import NativeStack, runs_natively
-from polylane.runtime.native.stack import kernel_name as native_kernel_name
 from polylane.runtime.sampling.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)

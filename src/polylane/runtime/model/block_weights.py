@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from polylane.runtime.native import abi
-from polylane.runtime.native.build import NATIVE_ENV, enabled, load_library
+from polylane.runtime.model.native import abi
+from polylane.runtime.model.native.build import NATIVE_ENV, enabled, load_library
 
 # ggml type ids with a kernel in blocks.c, by name
 BLOCK_FORMATS = {

@@ -4,7 +4,7 @@ What this module owns: the text `polylane --version` prints and the server logs 
 polylane version, the torch build and the CPU capability its kernels run at, the CPU's relevant
 instruction sets, and per dtype either the native stack (with its matrix kernel) or torch, with
 the reason the native stack does not run where it does not, and the compute thread settings. It
-decides nothing: the native stack (`runtime/native/stack.py`) and torch make the choice at load;
+decides nothing: the native stack (`runtime/model/native/stack.py`) and torch make the choice at load;
 this asks them the same questions.
 """
 
@@ -19,8 +19,8 @@ import torch
 
 from polylane.runtime.cpu_load import TORCH_DEFAULT_THREADS, usable_cpus
 from polylane.runtime.model import block_weights
-from polylane.runtime.native import build
-from polylane.runtime.native import stack as native
+from polylane.runtime.model.native import build
+from polylane.runtime.model.native import stack as native
 from polylane.types import WEIGHT_DTYPES
 
 # CPU flags that decide a path (/proc/cpuinfo spelling)

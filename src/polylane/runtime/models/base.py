@@ -18,7 +18,7 @@ from polylane.runtime.model.model_config import GLOBAL, SLIDING, ModelConfig
 
 
 class ForwardBackend(Protocol):
-    """The layer stack run outside torch (the native stack, `runtime/native/stack.py`), chosen at load
+    """The layer stack run outside torch (the native stack, `runtime/model/native/stack.py`), chosen at load
     by `runtime/loading/loaded_model.py`: the model class calls it without knowing what it is."""
 
     def forward(
@@ -55,7 +55,7 @@ class DecoderModel(nn.Module):
         self.vocab_columns: nn.Parameter | None = None
         self.weight_dtype = torch.float32
         self._rotary: dict[str, RotaryTable] = {}
-        # the whole stack in one C call where the model allows it, set at load (runtime/native)
+        # the whole stack in one C call where the model allows it, set at load (runtime/model/native)
         self.native_stack: ForwardBackend | None = None
 
     def choose_layouts(self, dtype: torch.dtype) -> set[str]:

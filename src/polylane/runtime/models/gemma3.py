@@ -45,7 +45,7 @@ class Gemma3Model(DecoderModel):
     gemma_norms = True
 
 
-# The native layer stack (runtime/native/decoder.c) computes this architecture; False: torch only.
+# The native layer stack (runtime/model/native/decoder.c) computes this architecture; False: torch only.
 NATIVE_STACK = True
 GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",

@@ -31,7 +31,7 @@ class LlamaModel(DecoderModel):
 
 
 # GGUF block tensor → Hugging Face name (after "model.layers.{i}.").
-# The native layer stack (runtime/native/decoder.c) computes this architecture; False: torch only.
+# The native layer stack (runtime/model/native/decoder.c) computes this architecture; False: torch only.
 NATIVE_STACK = True
 GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",

@@ -15,7 +15,7 @@ class Qwen2Model(DecoderModel):
     layer_class = llama.LlamaLayer
 
 
-# The native layer stack (runtime/native/decoder.c) computes this architecture; False: torch only.
+# The native layer stack (runtime/model/native/decoder.c) computes this architecture; False: torch only.
 NATIVE_STACK = True
 GGUF_LAYER_NAMES = llama.GGUF_LAYER_NAMES
 

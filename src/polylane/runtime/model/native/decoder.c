@@ -5,7 +5,7 @@
  * output projection, gated SiLU or GELU MLP, Gemma's norms after attention and MLP, residuals),
  * the final norm and the output projection for a flat batch of T tokens, in place of the ~45
  * eager torch ops per layer whose fixed costs dominate a decode step (docs/profile.md). Python
- * builds the model description once (runtime/native/stack.py) and the per-forward index arrays;
+ * builds the model description once (runtime/model/native/stack.py) and the per-forward index arrays;
  * this file does arithmetic only and allocates nothing that outlives a call. Activations, norms
  * and attention are float32; the KV cache is bf16 or float32. The layer arithmetic outside the
  * matrix products (attention, e^x, the MLP's gate, bf16 stores) is in stack_avx512.c where the CPU
@@ -140,7 +140,7 @@ typedef struct {
 } Step;
 
 /* The layout of Matrix, Layer, Model and Step as stack.py mirrors them (checked before it binds,
- * runtime/native/abi.py; blocks.c has the version and the block structs'). */
+ * runtime/model/native/abi.py; blocks.c has the version and the block structs'). */
 static const AbiField STACK_ABI[] = {
     ABI_SIZE(Matrix),
     ABI_FIELD(Matrix, kind),

@@ -63,7 +63,7 @@ typedef struct {
     int64_t activation_bits; /* 32: float32 activations; 8: rounded to 8 bits (blocks_q8.c) */
 } BlockMatrix;
 
-/* The binary interface Python checks before it binds (runtime/native/abi.py): a version that changes
+/* The binary interface Python checks before it binds (runtime/model/native/abi.py): a version that changes
    whenever a struct Python mirrors changes, and each mirrored struct's size and fields' places. */
 #define POLYLANE_ABI_VERSION 1
 typedef struct {

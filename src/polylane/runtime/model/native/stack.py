@@ -37,10 +37,10 @@ from polylane.runtime.model.block_weights import BlockEmbedding, BlockMatrix, Bl
 from polylane.runtime.model.int4_layout import packing_layout
 from polylane.runtime.model.layers import Projection
 from polylane.runtime.model.model_config import GLOBAL, SLIDING, ModelConfig
+from polylane.runtime.model.native import abi
+from polylane.runtime.model.native.build import load_library
 from polylane.runtime.model.quantize import QuantizedProjection
 from polylane.runtime.models import ARCHITECTURES
-from polylane.runtime.native import abi
-from polylane.runtime.native.build import load_library
 from polylane.types import SequenceChunk
 
 log = logging.getLogger(__name__)
