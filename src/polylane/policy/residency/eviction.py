@@ -61,11 +61,3 @@ EVICTION_POLICIES: dict[str, EvictionPolicy] = {
     policy.name: policy for policy in (LeastRecentlyUsed(), CostAware())
 }
 DEFAULT_EVICTION = "lru"
-
-
-def eviction_policy(name: str) -> EvictionPolicy:
-    """The registered policy called `name`; ValueError naming the choices otherwise."""
-    try:
-        return EVICTION_POLICIES[name]
-    except KeyError:
-        raise ValueError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}; got {name!r}") from None

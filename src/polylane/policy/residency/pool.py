@@ -61,7 +61,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from polylane.policy.residency.eviction import DEFAULT_EVICTION, EVICTION_POLICIES, eviction_policy
+from polylane.policy.residency.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 
 COLD, LOADING, RESIDENT = "cold", "loading", "resident"
 CAUSES = ("room", "budget", "explicit")
@@ -196,7 +196,7 @@ class ResidencyPool:
     def __init__(self, budget_bytes: int, eviction: str = DEFAULT_EVICTION) -> None:
         if eviction not in EVICTION_POLICIES:
             raise ResidencyError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}; got {eviction!r}")
-        self._policy = eviction_policy(eviction)
+        self._policy = EVICTION_POLICIES[eviction]
         self._inflation = 0.0  # "cost" eviction: L, the highest H of a model evicted for room or budget
         self._budget_bytes = _checked_bytes("budget", budget_bytes)
         self._models: dict[str, _Model] = {}
