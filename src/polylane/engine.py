@@ -5,8 +5,8 @@ loop, model registration (tokenizer and context length known before any weights 
 models in the background through the `ResidencyManager`, and turning sampled tokens into text
 (EOS, stop strings, max_tokens). The decisions are the `Scheduler`'s, the tensors the `Runner`'s:
 
-    plan = scheduler.schedule(); result = runner.execute(plan); deliver(plan, result);
-    scheduler.update(plan, result)
+    plan = scheduler.schedule(); result = runner.execute(plan); scheduler.update(plan, result);
+    deliver(plan, result)  # a completed request: scheduler.finish (its KV enters the prefix cache)
 
 Everything else reaches the loop through a thread-safe inbox (submits, aborts, finished loads), so
 the engine thread alone touches the scheduler, the runner and the models' KV. Each request gets a
@@ -500,9 +500,9 @@ class Engine:
                 started = time.perf_counter()
                 self._mark_started(plan, started)
                 result = self.runner.execute(plan)
+                self.scheduler.update(plan, result)
                 self._deliver(plan, result)
                 self.stats_recorder.step(plan, result, time.perf_counter() - started)
-                self.scheduler.update(plan, result)
                 self.compute_threads.step()
         except Exception as error:  # a bug in the loop: fail every request loudly, never hang
             log.exception("engine loop failed")
@@ -563,7 +563,7 @@ class Engine:
             served.tokenizer.stop_token_ids,
         )
         self.runner.add(handle.id, handle.model, handle.prompt_ids, params, constraint)
-        self.scheduler.add(handle.id, handle.model, len(handle.prompt_ids), priority)
+        self.scheduler.add(handle.id, handle.model, handle.prompt_ids, priority)
         self.stats_recorder.submitted(handle.model)
 
     def _start_loads(self, names: Sequence[str]) -> None:
@@ -598,7 +598,9 @@ class Engine:
             self.runner.attach(lease)
             self.speculation.attach(name, lease, drafters or {})
             self.speculation.offer(name)  # idle models draft: targets that may use it take it
-            self.scheduler.model_ready(name, self.runner.free_blocks(name), lease.kv.block_size)
+            self.scheduler.model_ready(name, lease.kv.manager)
+            for target in self.runner.speculators:  # this one, and targets it may now draft for
+                self.scheduler.set_lookahead(target, self.speculation.lookahead(target))
 
     def _deliver(self, plan: StepPlan, result: StepResult) -> None:
         """Hand tokens to their streams; decide EOS / stop string / length; end finished requests."""
@@ -608,10 +610,10 @@ class Engine:
         for request_id, message in result.failed.items():
             self._end(request_id, "error", message, wakes=wakes)
         now = time.perf_counter()
-        for request_id, cached in result.cached.items():
-            output = self._outputs.get(request_id)
-            if output is not None and output.generated == 0:
-                output.handle.cached_tokens = cached
+        for table in plan.tables:
+            output = self._outputs.get(table.request_id)
+            if table.cached is not None and output is not None and output.generated == 0:
+                output.handle.cached_tokens = table.cached
         for request_id, first in result.tokens.items():
             output = self._outputs[request_id]
             handle = output.handle
@@ -640,15 +642,10 @@ class Engine:
             if reason is None:
                 handle._push(StreamEvent(text, tuple(tokens), logprobs=logprobs), wakes)
                 continue
-            result.finished[request_id] = reason
+            self.scheduler.finish(request_id)  # its KV enters the prefix cache
             self.runner.finish(request_id, cache=True)
             self._end(request_id, reason, None, wakes, text, tuple(tokens), logprobs)
         _wake_loops(wakes)
-        # Requests ended here gave their blocks back (free, or evictable in the prefix tree) after
-        # the runner counted them: count again, or an idle engine keeps the stale count and a
-        # waiting request that needs those blocks is never admitted.
-        for model in result.free_blocks:
-            result.free_blocks[model] = self.runner.free_blocks(model)
 
     def _end(
         self,
@@ -685,6 +682,7 @@ class Engine:
                 for drafter in payload[2].values():
                     drafter.release()
         for request_id in list(self._outputs):
+            self.scheduler.abort(request_id)  # its KV let go
             self._end(request_id, reason, message, wakes)
         _wake_loops(wakes)
         self.runner.detach_all()

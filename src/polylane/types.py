@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from polylane.policy.kv.sequence_blocks import validate_tree
+from polylane.policy.kv.sequence_blocks import BlockCopy, validate_tree
 
 # Weight dtypes a model can be served at: float32, bfloat16, or weight-only int8 / int4 projections
 # (`runtime.model.quantize`: torch's CPU kernels, float32 activations and KV around them).
@@ -210,14 +210,36 @@ class PrefillWork:
 
 
 @dataclass(frozen=True)
+class BlockTable:
+    """Where one request of the step keeps its KV (the scheduler's `KVManager` chose it).
+
+    blocks: its block ids, in order (logical slot i lives in block blocks[i // block_size]).
+    num_tokens: tokens of KV already written; this step writes from there, into any slot up to the
+    table's end (a prefill chunk, a decode token, a verify pass's draft tokens), no further.
+    copies: blocks to copy before the step writes (copy-on-write of a block it shares).
+    cached: when the request was admitted this step, the prompt tokens its prefix-cache hit served
+    (its `num_tokens`); else None.
+    """
+
+    request_id: int
+    blocks: tuple[int, ...]
+    num_tokens: int
+    copies: tuple[BlockCopy, ...] = ()
+    cached: int | None = None
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """What one engine step does: the scheduler's whole decision, handed to the runner.
 
     prefill: prompt chunks, for any models that hold a lease (several models may prefill).
     decode_model / decode: the one model that owns the decode lane this step and every one of its
     requests that decodes a token (continuous batching). Never more than one model.
-    close: requests whose KV (if any) is to be let go without caching, with why: "abort" (the
-    client gave up) or "error" (e.g. its model failed to load), and a message.
+    tables: the block table of every request in `prefill` and `decode`.
+    preempted: requests whose KV the scheduler let go for want of blocks (cached as far as it was
+    written); they wait and prefill again (recompute). The runner forgets their step state.
+    close: requests whose KV (if any) was let go without caching, with why: "abort" (the client
+    gave up) or "error" (e.g. its model failed to load), and a message.
     acquire / release: models whose lease the engine should take (load if needed) / give back.
     """
 
@@ -225,6 +247,8 @@ class StepPlan:
     prefill: tuple[PrefillWork, ...] = ()
     decode_model: str | None = None
     decode: tuple[int, ...] = ()
+    tables: tuple[BlockTable, ...] = ()
+    preempted: tuple[int, ...] = ()
     close: tuple[tuple[int, str, str], ...] = ()
     acquire: tuple[str, ...] = ()
     release: tuple[str, ...] = ()
@@ -235,6 +259,11 @@ class StepPlan:
         ids = [w.request_id for w in self.prefill] + list(self.decode)
         if len(set(ids)) != len(ids):
             raise ValueError("a request appears twice in one step")
+        if self.tables and {t.request_id for t in self.tables} != set(ids):
+            raise ValueError("every request of the step needs one block table, and only those")
+
+    def table(self, request_id: int) -> BlockTable:
+        return next(t for t in self.tables if t.request_id == request_id)
 
     @property
     def is_idle(self) -> bool:
@@ -243,16 +272,13 @@ class StepPlan:
 
 @dataclass
 class StepResult:
-    """What the runner did with a `StepPlan` (and the engine's output check added to it).
+    """What the runner did with a `StepPlan`.
 
-    computed: request → tokens of KV it holds after the step (prefix-cache hits included).
+    computed: request → tokens of KV it holds after the step (prefix-cache hits and a cross-model
+    import included; after a verify pass, the accepted ones).
     tokens: request → the token sampled this step (first token after prefill, or a decode token).
     extra_tokens: request → the tokens a speculative round produced after `tokens`' one, in order.
-    cached: request → prompt tokens served from the prefix cache, when its KV was opened this step.
-    preempted: requests whose KV was dropped for want of blocks; they prefill again (recompute).
-    failed: request → error message (its KV is already let go).
-    finished: request → "stop" | "length" (set by the engine: EOS, a stop string, max_tokens).
-    free_blocks: model → KV blocks free or evictable after the step.
+    failed: request → error message.
     forced_tokens: tokens a grammar forced this step, verified with the decode batch (jump-forward).
     logprobs: request → its tokens' log-probabilities this step, in order (requests that ask).
     """
@@ -261,10 +287,6 @@ class StepResult:
     computed: dict[int, int] = field(default_factory=dict)
     tokens: dict[int, int] = field(default_factory=dict)
     extra_tokens: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    cached: dict[int, int] = field(default_factory=dict)
-    preempted: list[int] = field(default_factory=list)
     failed: dict[int, str] = field(default_factory=dict)
-    finished: dict[int, str] = field(default_factory=dict)
-    free_blocks: dict[str, int] = field(default_factory=dict)
     forced_tokens: int = 0
     logprobs: dict[int, tuple[TokenLogprob, ...]] = field(default_factory=dict)

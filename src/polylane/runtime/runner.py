@@ -1,23 +1,23 @@
 """StepPlan → forward passes → sampled tokens → StepResult: the tensor side of an engine step.
 
 What this module owns: the leases the engine holds on resident models, each running request's
-tokens, sampler and KV sequence, and the execution of one plan. Per model touched by the plan,
-one forward pass runs its prefill chunks (and, for the lane owner, one decode token of each of its
-requests) through `ModelKV.forward`; rows that end a prompt or decode are sampled.
+tokens and sampler, and the execution of one plan. Per model touched by the plan, the plan's block
+copies are made, then one forward pass runs its prefill chunks (and, for the lane owner, one
+decode token of each of its requests) through `ModelKV.forward` over the block tables the plan
+gives (`ModelKV.planned`: the scheduler chose and reserved every slot; the runner allocates
+nothing); rows that end a prompt or decode are sampled. A request admitted this step may first
+import its prompt's prefix from a peer model sharing its lower layers (`LayerShare.extend`).
 
 A decode forward runs inside `LaneMonitor.enter/exit`, so the number of models decoding at once is
-counted where it happens. When a model's KV pool cannot hold the step, the newest request of that
-forward is preempted (its KV, valid as far as it goes, enters the prefix cache and is dropped;
-the scheduler sends it back to prefill: recompute) and the forward is retried with the rest. Any
-other failure of a forward fails the requests in it, with the error, and nothing else: the other
-models' forwards in the step and the engine go on.
+counted where it happens. A failure of a forward fails the requests in it, with the error, and
+nothing else: the other models' forwards in the step and the engine go on.
 
 Speculation: when the lane owner has a `Speculator` (attached by the engine with the leases on its
 drafters' models), its decoding requests first go through `Speculator.prepare` inside the lane
-slot (drafter forwards are counted there as `drafter@target`); a speculating request's decode
-token is replaced by its verify extend in the same single forward, and `Speculator.finish` turns
-its rows into one or more tokens (the first in `StepResult.tokens`, the rest in `extra_tokens`).
-If the pool cannot hold the drafts, they are dropped before anyone is preempted.
+slot (drafter forwards are counted there as `drafter@target`), each with as many draft tokens as
+the slots its table reserved allow; a speculating request's decode token is replaced by its verify
+extend in the same single forward, and `Speculator.finish` turns its rows into one or more tokens
+(the first in `StepResult.tokens`, the rest in `extra_tokens`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from polylane.policy.kv.blocks import OutOfBlocksError
 from polylane.policy.scheduling.lane import LaneMonitor
 from polylane.runtime.kv.model_kv import Extend, KVSequence, ModelKV
 from polylane.runtime.residency.manager import ModelLease
@@ -38,7 +37,7 @@ from polylane.runtime.sampling.sampler import RequestSampler, sample_rows
 from polylane.runtime.sharing.layer_share import LayerShare
 from polylane.runtime.speculation.generate import split_rows
 from polylane.runtime.speculation.speculator import SpecRequest, Speculator
-from polylane.types import SamplingParams, StepPlan, StepResult
+from polylane.types import BlockTable, SamplingParams, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +49,7 @@ class RunningRequest:
     prompt_ids: tuple[int, ...]
     sampler: RequestSampler
     generated: list[int] = field(default_factory=list)
-    kv: KVSequence | None = None
-    cached_tokens: int = 0  # prompt tokens served from the prefix cache (first open)
+    kv: KVSequence | None = None  # this step's view of its KV (the plan's table)
     speculate: bool = True  # may speculate when its model has a speculator
 
     def prefill_tokens(self) -> tuple[int, ...]:
@@ -105,8 +103,6 @@ class Runner:
             lease.release()
 
     def detach(self, name: str) -> None:
-        if any(r.model == name and r.kv is not None for r in self.requests.values()):
-            raise RuntimeError(f"model {name!r} still has KV in use; it cannot be released")
         self.detach_speculator(name)
         lease = self.leases.pop(name, None)
         if lease is not None:
@@ -136,18 +132,11 @@ class Runner:
         )
 
     def finish(self, request_id: int, *, cache: bool) -> None:
-        """Forget a request; its KV enters the prefix cache only with `cache` (completed requests)."""
+        """Forget a request (its KV is the scheduler's to let go); its drafters' sequences enter
+        their prefix caches only with `cache` (completed requests)."""
         request = self.requests.pop(request_id, None)
         if request is not None and (speculator := self.speculators.get(request.model)) is not None:
             speculator.drop(request_id, cache=cache)
-        if request is not None and request.kv is not None:
-            self._kv(request.model).close(request.kv, cache=cache)
-            request.kv = None
-
-    def free_blocks(self, model: str) -> int:
-        kv = self._kv(model)
-        evictable = kv.tree.num_evictable_blocks if kv.tree is not None else 0
-        return kv.pool.num_free + evictable
 
     # ------------------------------------------------------------------ one step
 
@@ -155,11 +144,16 @@ class Runner:
         result = StepResult(plan.step)
         for request_id, _reason, _message in plan.close:
             self.finish(request_id, cache=False)
-        by_model: dict[str, list[tuple[RunningRequest, int | None]]] = {}
+        for request_id in plan.preempted:
+            self._preempted(request_id)
+        tables = {table.request_id: table for table in plan.tables}
+        by_model: dict[str, list[tuple[RunningRequest, BlockTable, int | None]]] = {}
         for work in plan.prefill:
-            by_model.setdefault(work.model, []).append((self.requests[work.request_id], work.max_tokens))
+            request = self.requests[work.request_id]
+            by_model.setdefault(work.model, []).append((request, tables[request.id], work.max_tokens))
         for request_id in plan.decode:
-            by_model.setdefault(plan.decode_model, []).append((self.requests[request_id], None))  # type: ignore[arg-type]
+            request = self.requests[request_id]
+            by_model.setdefault(request.model, []).append((request, tables[request_id], None))
         for model, items in by_model.items():
             decoding = model == plan.decode_model and bool(plan.decode)
             if decoding:
@@ -169,43 +163,38 @@ class Runner:
             finally:
                 if decoding:
                     self.monitor.exit(model)
+                for request, _, _ in items:
+                    request.kv = None  # the table was this step's
         for model in plan.release:
             self.detach(model)
-        for model in self.leases:
-            result.free_blocks[model] = self.free_blocks(model)
         return result
 
     def _run_model(
-        self, model: str, items: list[tuple[RunningRequest, int | None]], result: StepResult, decoding: bool
+        self,
+        model: str,
+        items: list[tuple[RunningRequest, BlockTable, int | None]],
+        result: StepResult,
+        decoding: bool,
     ) -> None:
         kv = self._kv(model)
-        work = [self._extend(kv, request, chunk, result) for request, chunk in items]
+        verify: dict[int, Extend] = {}
         speculator = self.speculators.get(model) if decoding else None
-        verify = self._prepare_speculation(speculator, work) if speculator is not None else {}
-        while work:
-            try:
-                started = time.perf_counter()
-                logits = kv.forward([w.extend for w in work])
-                seconds = time.perf_counter() - started
-                break
-            except OutOfBlocksError:
-                if verify:  # drafts take more blocks than plain decode: drop them before anyone
-                    self._cancel_speculation(speculator, work, verify)  # type: ignore[arg-type]
-                    verify = {}
-                    continue
-                victim = max(work, key=lambda w: w.request.id)
-                work.remove(victim)
-                self._preempt(kv, victim.request, result)
-            except Exception as error:  # a broken forward fails its own requests, nothing else
-                log.exception("forward of %s failed", model)
-                message = f"model {model!r} failed in a forward pass: {type(error).__name__}: {error}"
-                if verify:
-                    speculator.cancel(list(verify))  # type: ignore[union-attr]
-                for w in work:
-                    result.failed[w.request.id] = message
-                    self.finish(w.request.id, cache=False)
-                return
-        else:
+        try:
+            kv.cache.copy_blocks([copy for _, table, _ in items for copy in table.copies])
+            work = [self._extend(kv, request, table, chunk) for request, table, chunk in items]
+            if speculator is not None:
+                verify = self._prepare_speculation(speculator, work)
+            started = time.perf_counter()
+            logits = kv.forward([w.extend for w in work])
+            seconds = time.perf_counter() - started
+        except Exception as error:  # a broken forward fails its own requests, nothing else
+            log.exception("forward of %s failed", model)
+            message = f"model {model!r} failed in a forward pass: {type(error).__name__}: {error}"
+            if verify:
+                speculator.cancel(list(verify))  # type: ignore[union-attr]
+            for request, _, _ in items:
+                result.failed[request.id] = message
+                self.finish(request.id, cache=False)
             return
         if verify or speculator is not None:
             rows = split_rows([w.extend for w in work], logits)
@@ -244,15 +233,13 @@ class Runner:
             return {}
         kv = self._kv(candidates[0].request.model)
         context_limit = kv.model.config.max_context
-        # drafts only where the pool has room for their verify (else every step would draft for
-        # nothing and fall back): free and evictable slots shared among the candidates
-        slack = self.free_blocks(candidates[0].request.model) * kv.block_size // len(candidates)
         requests = []
         for w in candidates:
             request = w.request
             sequence = request.kv
             assert sequence is not None
-            left = min(request.sampler.params.max_tokens - len(request.generated), slack - 1)
+            # a verify pass writes at most `max_new` tokens: within the slots the plan reserved
+            left = min(request.sampler.params.max_tokens - len(request.generated), sequence.blocks.room)
             room = context_limit - sequence.num_tokens - 1
             requests.append(
                 SpecRequest(
@@ -268,14 +255,6 @@ class Runner:
             if w.request.id in verify:
                 w.extend = verify[w.request.id]
         return verify
-
-    def _cancel_speculation(
-        self, speculator: Speculator, work: list[_Work], verify: dict[int, Extend]
-    ) -> None:
-        speculator.cancel(list(verify))
-        for w in work:
-            if w.request.id in verify:
-                w.extend = Extend(w.request.kv, (w.request.generated[-1],))  # type: ignore[arg-type]
 
     def _finish_speculation(
         self,
@@ -328,29 +307,23 @@ class Runner:
                 tokens.append(None)
         return tokens
 
-    def _extend(self, kv: ModelKV, request: RunningRequest, chunk: int | None, result: StepResult) -> _Work:
+    def _extend(self, kv: ModelKV, request: RunningRequest, table: BlockTable, chunk: int | None) -> _Work:
+        tokens = request.prefill_tokens()
+        request.kv = kv.planned(table.blocks, tokens[: table.num_tokens], table.cached or 0)
         if chunk is None:  # decode: the last sampled token goes in, the next comes out
-            assert request.kv is not None
             return _Work(request, Extend(request.kv, (request.generated[-1],)))  # chunk None: decode
-        target = request.prefill_tokens()
-        if request.kv is None:
-            request.kv = self.sharing.open(request.model, kv, target)
-            result.cached[request.id] = request.kv.cached_tokens
-            if not request.generated:
-                request.cached_tokens = request.kv.cached_tokens
+        if table.cached is not None:  # admitted this step: a peer may hold more of the prompt
+            self.sharing.extend(request.model, kv, request.kv, tokens)
         done = request.kv.num_tokens
-        end = min(len(target), done + chunk)
-        logits = "last" if end == len(target) else "none"
-        return _Work(request, Extend(request.kv, target[done:end], logits=logits), chunk)
+        end = min(len(tokens), done + chunk)
+        logits = "last" if end == len(tokens) else "none"
+        return _Work(request, Extend(request.kv, tokens[done:end], logits=logits), chunk)
 
-    def _preempt(self, kv: ModelKV, request: RunningRequest, result: StepResult) -> None:
+    def _preempted(self, request_id: int) -> None:
+        request = self.requests[request_id]
         if (speculator := self.speculators.get(request.model)) is not None:
-            speculator.drop(request.id)
-        if request.kv is not None:
-            kv.close(request.kv, cache=True)
-            request.kv = None
-        result.preempted.append(request.id)
-        log.info("preempted request %d of %s (KV full); it will prefill again", request.id, request.model)
+            speculator.drop(request_id)
+        log.info("preempted request %d of %s (KV full); it will prefill again", request_id, request.model)
 
     def _kv(self, model: str) -> ModelKV:
         lease = self.leases.get(model)

@@ -3,7 +3,8 @@
 What this module owns: the map from cached token prefixes to the block ids holding their KV, one
 pool reference per cached block, the lock counts that keep in-use prefixes from being evicted,
 the LRU clock, and hit statistics. What it does not own: the KV bytes (the runtime's paged cache),
-the blocks of running sequences (their block tables, `runtime/kv/model_kv.py`), and the pool itself.
+the blocks of running sequences (their block tables: `policy/kv/manager.py` for served requests,
+`runtime/kv/model_kv.py` for the runtime's scratch sequences), and the pool itself.
 
 Keys are whole blocks. An edge holds a token tuple whose length is a multiple of
 `pool.block_size` and one block id per `block_size` tokens; a partial last block is never cached.

@@ -23,7 +23,7 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from polylane.policy.kv.blocks import BlockPool, OutOfBlocksError
@@ -113,12 +113,13 @@ class SequenceBlocks:
         self.pool.share(self.table)
         return SequenceBlocks(self.pool, self.table, self.num_tokens)
 
-    def truncate(self, num_tokens: int) -> None:
-        """Keep slots `[0, num_tokens)`; free the blocks past them."""
+    def truncate(self, num_tokens: int, keep: int = 0) -> None:
+        """Keep slots `[0, num_tokens)` written; free the blocks past them, or with `keep` past
+        `keep` slots (blocks held for writes to come)."""
         self._check_open()
         if not 0 <= num_tokens <= self.num_tokens:
             raise ValueError(f"cannot truncate a {self.num_tokens}-token sequence to {num_tokens}")
-        keep = self.pool.blocks_for(num_tokens)
+        keep = min(len(self.table), self.pool.blocks_for(max(num_tokens, keep)))
         self.pool.free(self.table[keep:])
         del self.table[keep:]
         self.num_tokens = num_tokens
@@ -152,7 +153,7 @@ class SequenceBlocks:
             copies.append(BlockCopy(self.table[position], target))
             self.pool.free([self.table[position]])
             self.table[position] = target
-        moves = [SlotMove(self.slot(base + node), self.slot(base + depth)) for depth, node in moved]
+        moves = path_moves(self.slot, base, path)
         self.truncate(base + len(path))
         return Compaction(copies, moves)
 
@@ -174,6 +175,15 @@ class SequenceBlocks:
     def _check_open(self) -> None:
         if self._released:
             raise ValueError("this sequence's blocks were released")
+
+
+def path_moves(slot: Callable[[int], int], base: int, path: Sequence[int]) -> list[SlotMove]:
+    """The slot moves that put a verified tree's node `path[j]` (written at logical slot
+    `base + path[j]`) at logical slot `base + j`, in an order that is safe to run (see `compact`);
+    `slot` maps a logical slot to its cache slot."""
+    return [
+        SlotMove(slot(base + node), slot(base + depth)) for depth, node in enumerate(path) if node != depth
+    ]
 
 
 def validate_tree(parents: Sequence[int]) -> None:
@@ -208,6 +218,7 @@ __all__ = [
     "OutOfBlocksError",
     "SequenceBlocks",
     "SlotMove",
+    "path_moves",
     "validate_path",
     "validate_tree",
 ]

@@ -1,21 +1,29 @@
-"""The online scheduler: which requests run, which models are leased, who owns the decode lane.
+"""The online scheduler: which requests run, which models are leased, who owns the decode lane,
+and where every request's KV lives.
 
 What this module owns: every unfinished request's place in its life (waiting → prefill → decode →
-gone), each model's lease state, KV admission by block counts, chunked prefill under a per-step
-token budget, and the lane choice. It turns that into one `StepPlan` per step and reads back one
-`StepResult`. Pure policy: no torch, no threads, no clocks (steps are the clock).
+gone), each model's lease state, its `KVManager` once leased (`policy/kv/manager.py`: the blocks of
+every admitted request), chunked prefill under a per-step token budget, and the lane choice. It
+turns that into one `StepPlan` per step — with each request's block table, the copies to make and
+the requests preempted — and reads back one `StepResult`. Pure policy: no torch, no threads, no
+clocks (steps are the clock).
 
 Rules:
 - A request waits until its model holds a lease (the plan asks the engine to `acquire` it) and its
-  model's pool has blocks for its whole prompt plus one (counted without prefix-cache hits, so
-  admission never over-commits), and its model runs fewer than `max_running` requests.
+  model's `KVManager` can hold its whole prompt (after its prefix-cache hit) and still keep one
+  block per running request of the model, the new one included (a decode step may open a block),
+  and its model runs fewer than `max_running` requests. Admission takes those blocks: prefill
+  chunks (and a cross-model import into the prompt) never need more.
 - Prefill is chunked: each step the prefilling requests (oldest first) share what the decode batch
   leaves of `max_step_tokens`. Prefill runs for any leased model, lane owner or not.
 - Exactly one model owns the decode lane per step (`LanePolicy`); every one of its requests that
-  has its first token decodes in that step.
-- Admission counts what is already promised: each running request keeps one block of headroom,
-  and a request still prefilling also keeps the blocks its prompt has yet to fill (`free_blocks`
-  only shows what the runner has taken so far).
+  has its first token decodes in that step, with one slot reserved for its token and, for a model
+  that speculates, `lookahead` more for a verify pass (unused ones are freed when the step's
+  result is committed: the rejected drafts' rollback).
+- When the pool cannot hold a decode step even after evicting cached prefixes, the lookahead goes
+  first; then the model's newest running request is preempted (recompute): its KV, valid as far as
+  it was written, enters the prefix cache and is let go; it waits again, keeping its place by
+  arrival, and prefills its prompt plus what it generated.
 - A model whose lease is refused for room (`model_blocked`) is retried after a lease is given back
   since its acquire was asked (the engine may start a load before the same plan's releases land,
   so a refusal then is retried at once). It fails only when no other model holds or is taking a
@@ -25,17 +33,19 @@ Rules:
   most for the requests that arrived before it. Leases are given back when a model has nothing
   running and nothing admissible waiting. A failed load counts as a lease given back (blocked
   models retry rather than wait for it).
-- Preemption is by recompute: a request whose KV the runner dropped for want of blocks goes back
-  to waiting (keeping its place by arrival) and prefills its prompt plus what it generated.
-- Every request leaves through `close` (abort, error), `failed` or `finished`; none is lost.
+- Every request leaves through `abort` (its KV let go uncached), `failed` in a result (the same)
+  or `finish` (a completed request: its KV enters the prefix cache); none is lost.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from polylane.policy.kv.manager import KVManager
+from polylane.policy.kv.sequence_blocks import BlockCopy
 from polylane.policy.scheduling.lane import LaneCandidate, LaneOwner, LanePolicy
-from polylane.types import PrefillWork, StepPlan, StepResult
+from polylane.types import BlockTable, PrefillWork, StepPlan, StepResult
 
 WAITING, PREFILL, DECODE = "waiting", "prefill", "decode"
 IDLE, ACQUIRING, READY, BLOCKED = "idle", "acquiring", "ready", "blocked"
@@ -60,14 +70,18 @@ class SchedulerConfig:
 class _Request:
     id: int
     model: str
+    token_ids: list[int]  # the prompt, then every token generated
     prompt_len: int
     priority: int
     target: int  # tokens to prefill: the prompt, plus what was generated before a preemption
     state: str = WAITING
     computed: int = 0  # tokens of KV held
-    generated: int = 0
     ready_step: int = 0  # the step its last token came (or it arrived)
     preemptions: int = 0
+
+    @property
+    def generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
 
 
 @dataclass
@@ -75,8 +89,8 @@ class _Model:
     name: str
     order: int
     state: str = IDLE
-    free_blocks: int = 0
-    block_size: int = 16
+    kv: KVManager | None = None  # set while leased
+    lookahead: int = 0  # slots a decode step reserves past its token (speculation's verify pass)
     acquire_epoch: int = -1  # the release epoch when its lease was last asked for
     gated: bool = False  # refused for room and not leased since: the admission gate holds
     lane_steps: int = 0
@@ -106,6 +120,10 @@ class Scheduler:
         self._owner = LaneOwner()
         self._release_epoch = 0
         self.counters = SchedulerCounters()
+        # this step's block copies, admissions and preemptions, for the plan
+        self._copies: dict[int, list[BlockCopy]] = {}
+        self._admitted: set[int] = set()
+        self._preempted: list[int] = []
 
     # ------------------------------------------------------------------ inputs
 
@@ -113,16 +131,22 @@ class Scheduler:
         if name not in self._models:
             self._models[name] = _Model(name, len(self._models))
 
-    def add(self, request_id: int, model: str, prompt_len: int, priority: int = 0) -> None:
+    def add(self, request_id: int, model: str, prompt_ids: Sequence[int], priority: int = 0) -> None:
         """A new request; ids must increase with arrival."""
         if model not in self._models:
             raise ValueError(f"unknown model {model!r}")
-        if prompt_len < 1:
+        if not prompt_ids:
             raise ValueError("a prompt needs at least one token")
         if self._requests and request_id <= max(self._requests):
             raise ValueError(f"request ids must increase with arrival, got {request_id}")
         self._requests[request_id] = _Request(
-            request_id, model, prompt_len, priority, target=prompt_len, ready_step=self._step
+            request_id,
+            model,
+            list(prompt_ids),
+            len(prompt_ids),
+            priority,
+            target=len(prompt_ids),
+            ready_step=self._step,
         )
 
     def abort(
@@ -135,14 +159,28 @@ class Scheduler:
             return False
         if unstarted_only and (request.generated or request.computed):
             return False
-        del self._requests[request_id]
+        self._drop(request, cache=False)
         self._closing.append((request_id, reason, message))
         return True
 
-    def model_ready(self, name: str, free_blocks: int, block_size: int) -> None:
+    def finish(self, request_id: int) -> None:
+        """A request completed (EOS, a stop string, max_tokens; the engine's output check): its
+        written KV enters the prefix cache, and it is gone."""
+        request = self._requests.get(request_id)
+        if request is not None:
+            self._drop(request, cache=True)
+
+    def model_ready(self, name: str, kv: KVManager, lookahead: int = 0) -> None:
+        """The model is leased: its KV blocks are `kv`'s; a decode step of it reserves `lookahead`
+        slots past its token (its speculator's largest verify pass, 0 without one)."""
         model = self._models[name]
-        model.state, model.free_blocks, model.block_size = READY, free_blocks, block_size
-        model.gated = False
+        model.state, model.kv, model.gated = READY, kv, False
+        self.set_lookahead(name, lookahead)
+
+    def set_lookahead(self, name: str, slots: int) -> None:
+        if slots < 0:
+            raise ValueError(f"lookahead must be >= 0, got {slots}")
+        self._models[name].lookahead = slots
 
     def model_blocked(self, name: str, message: str) -> None:
         """The lease was refused for room. If no other lease can be given back, that is final."""
@@ -168,40 +206,50 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         self._step += 1
+        self._preempted = []
         acquire = self._acquisitions()
         decode_model, decode = self._decode_batch()
+        decode = self._reserve_decode(decode)
         self._admit()
         prefill = self._prefill_chunks(self.config.max_step_tokens - len(decode))
         release = self._releases()
         close, self._closing = tuple(self._closing), []
-        return StepPlan(self._step, tuple(prefill), decode_model, tuple(decode), close, acquire, release)
+        ids = [w.request_id for w in prefill] + decode
+        tables = tuple(self._table(self._requests[i]) for i in ids)
+        return StepPlan(
+            self._step,
+            tuple(prefill),
+            decode_model if decode else None,
+            tuple(decode),
+            tables,
+            tuple(self._preempted),
+            close,
+            acquire,
+            release,
+        )
 
     def update(self, plan: StepPlan, result: StepResult) -> None:
         self.counters.steps += 1
         if plan.decode_model is not None and plan.decode:
             self._count_lane(plan.decode_model, len(plan.decode))
         for request_id, computed in result.computed.items():
-            if (request := self._requests.get(request_id)) is not None:
-                if request.state == PREFILL:
-                    fresh = computed - request.computed - result.cached.get(request_id, 0)
-                    self.counters.prefill_tokens += max(0, fresh)
-                request.computed = computed
-        for request_id in result.tokens:
-            if (request := self._requests.get(request_id)) is not None:
-                request.generated += 1 + len(result.extra_tokens.get(request_id, ()))
+            if (request := self._requests.get(request_id)) is None or request_id in result.failed:
+                continue
+            prefilling = request.state == PREFILL
+            if prefilling:
+                self.counters.prefill_tokens += max(0, computed - request.computed)
+            # a prompt keeps its blocks until it is written; a decode step's unused slots go back
+            keep = request.target if prefilling and computed < request.target else computed
+            self._kv(request).commit(request_id, computed, keep)
+            request.computed = computed
+        for request_id, first in result.tokens.items():
+            if (request := self._requests.get(request_id)) is not None and request_id not in result.failed:
+                request.token_ids += (first, *result.extra_tokens.get(request_id, ()))
                 request.ready_step = plan.step
                 request.state = DECODE
-        for request_id in result.preempted:
+        for request_id in result.failed:
             if (request := self._requests.get(request_id)) is not None:
-                request.state, request.computed = WAITING, 0
-                request.target = request.prompt_len + request.generated
-                request.preemptions += 1
-                self.counters.preemptions += 1
-        for request_id in (*result.failed, *result.finished):
-            self._requests.pop(request_id, None)
-        for name, free in result.free_blocks.items():
-            if name in self._models:
-                self._models[name].free_blocks = free
+                self._drop(request, cache=False)
 
     # ------------------------------------------------------------------ views
 
@@ -269,21 +317,46 @@ class Scheduler:
         waiting = [r.id for r in self._requests.values() if r.state == WAITING and r.model in blocked]
         return min(waiting) if waiting else None
 
+    def _reserve_decode(self, batch: list[int]) -> list[int]:
+        """Slots for the decode batch's tokens (and lookahead), preempting where the pool is short;
+        the requests that decode."""
+        if not batch:
+            return batch
+        model = self._models[self._requests[batch[0]].model]
+        kv, lookahead = self._kv(self._requests[batch[0]]), model.lookahead
+        reserved: list[int] = []
+        for request_id in batch:
+            while self._requests[request_id].state == DECODE:
+                copies = kv.reserve(request_id, 1 + lookahead)
+                if copies is not None:
+                    self._copies.setdefault(request_id, []).extend(copies)
+                    reserved.append(request_id)
+                    break
+                if lookahead:  # drafts go before anyone is preempted
+                    lookahead = 0
+                    for other in reserved:
+                        kv.commit(other, kv.num_tokens(other), kv.num_tokens(other) + 1)
+                    continue
+                running = [r for r in self._requests.values() if r.model == model.name and r.state != WAITING]
+                self._preempt(max(running, key=lambda r: r.id))
+        return [i for i in reserved if self._requests[i].state == DECODE]
+
+    def _preempt(self, request: _Request) -> None:
+        self._kv(request).close(request.id, request.token_ids)  # written KV stays cached
+        self._copies.pop(request.id, None)
+        self._admitted.discard(request.id)
+        request.state, request.computed = WAITING, 0
+        request.target = len(request.token_ids)
+        request.preemptions += 1
+        self.counters.preemptions += 1
+        self._preempted.append(request.id)
+
     def _admit(self) -> None:
         gate = self._admission_gate()
         running: dict[str, int] = {}
-        promised: dict[str, int] = {}
         for request in self._requests.values():
             if request.state != WAITING:
                 running[request.model] = running.get(request.model, 0) + 1
-                # One block of headroom per running request (a decode step may open a new block),
-                # and the blocks a prefilling request's prompt has yet to take.
-                size = self._models[request.model].block_size
-                unfilled = 0
-                if request.state == PREFILL:
-                    unfilled = max(0, _blocks(request.target + 1, size) - _blocks(request.computed, size))
-                promised[request.model] = promised.get(request.model, 0) + unfilled + 1
-        available = {m.name: m.free_blocks - promised.get(m.name, 0) for m in self._models.values()}
         full: set[str] = set()
         for request in self._requests.values():
             model = self._models[request.model]
@@ -291,13 +364,48 @@ class Scheduler:
                 continue
             if gate is not None and request.id > gate:
                 continue
-            needed = _blocks(request.target + 1, model.block_size)
-            if running.get(model.name, 0) >= self.config.max_running or available[model.name] < needed:
+            count, kv = running.get(model.name, 0), self._kv(request)
+            copies = None
+            if count < self.config.max_running:
+                # one block of headroom per running request, and this one's if its first decode
+                # token opens a block
+                first = kv.blocks_for(request.target + 1) - kv.blocks_for(request.target)
+                copies = kv.admit(request.id, request.token_ids[: request.target], count + first)
+            if copies is None:
                 full.add(model.name)  # first come, first served within a model
                 continue
-            request.state = PREFILL
-            available[model.name] -= needed + 1
-            running[model.name] = running.get(model.name, 0) + 1
+            request.state, request.computed = PREFILL, kv.num_tokens(request.id)
+            self._copies[request.id] = copies
+            self._admitted.add(request.id)
+            running[model.name] = count + 1
+
+    def _table(self, request: _Request) -> BlockTable:
+        """The request's table for this plan, with the copies and the hit not yet handed over (an
+        admission whose prefill chunk waits for a later step hands them over with that chunk)."""
+        kv = self._kv(request)
+        admitted = request.id in self._admitted
+        self._admitted.discard(request.id)
+        return BlockTable(
+            request.id,
+            kv.table(request.id),
+            kv.num_tokens(request.id),
+            tuple(self._copies.pop(request.id, ())),
+            kv.num_tokens(request.id) if admitted else None,
+        )
+
+    def _drop(self, request: _Request, *, cache: bool) -> None:
+        """The request is gone; its KV (if it holds any) is let go, cached with `cache`."""
+        del self._requests[request.id]
+        self._copies.pop(request.id, None)
+        self._admitted.discard(request.id)
+        kv = self._models[request.model].kv
+        if kv is not None and kv.holds(request.id):
+            kv.close(request.id, request.token_ids if cache else None)
+
+    def _kv(self, request: _Request) -> KVManager:
+        kv = self._models[request.model].kv
+        assert kv is not None, f"model {request.model!r} holds no lease"
+        return kv
 
     def _prefill_chunks(self, budget: int) -> list[PrefillWork]:
         chunks = []
@@ -337,7 +445,3 @@ class Scheduler:
             if self._owner.model is not None:
                 counters.switches += 1
             self._owner = LaneOwner(name, self._models[name].order, 1)
-
-
-def _blocks(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)

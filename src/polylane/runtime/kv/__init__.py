@@ -1,2 +1,3 @@
 """KV bytes: the paged cache's tensors (`kv_cache`) and each model's KV state over the policy's
-blocks and prefix tree (`model_kv`: open, extend, fork, close sequences)."""
+`KVManager` (`model_kv`: forwards over the block tables a plan gives, and the runtime's own
+scratch sequences: open, extend, fork, close)."""

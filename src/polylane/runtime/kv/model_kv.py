@@ -1,7 +1,12 @@
-"""One model's KV state in use: paged cache + block pool + prefix tree, and the sequence operations.
+"""One model's KV state in use: its paged cache, its `KVManager` (pool, prefix tree, served tables),
+and the sequence operations that write KV bytes.
 
-What this module owns: binding the pure policy (`SequenceBlocks`, `PrefixTree`) to the bytes of a
-`PagedKVCache` and to the model's forward. Every operation on a sequence's KV goes through here:
+What this module owns: binding block tables to the bytes of a `PagedKVCache` and to the model's
+forward. A served request's sequence is `planned`: the scheduler's `KVManager` chose its blocks and
+reserved the slots this step may write (`StepPlan.tables`), so a forward over it allocates nothing
+and accept/rollback only move and forget slots (the scheduler frees what is left at its next
+`commit`). The runtime's own scratch sequences — a drafter model's drafts, `polylane generate`'s
+plain loop — are `open`ed here and take blocks from the same pool as they go:
 
 - `open(prompt)`: a new sequence, starting from the longest cached prefix of the prompt (a lock on
   the prefix tree's blocks; the last prompt token is always recomputed, since its logits are needed).
@@ -24,9 +29,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from polylane.policy.kv.blocks import BlockPool, OutOfBlocksError
-from polylane.policy.kv.radix import PrefixMatch, PrefixTree, PrefixTreeStats
-from polylane.policy.kv.sequence_blocks import SequenceBlocks
+from polylane.policy.kv.blocks import OutOfBlocksError
+from polylane.policy.kv.manager import KVManager
+from polylane.policy.kv.radix import PrefixMatch, PrefixTreeStats
+from polylane.policy.kv.sequence_blocks import Compaction, SequenceBlocks, path_moves, validate_path
 from polylane.runtime.kv.kv_cache import PagedKVCache
 from polylane.runtime.loading.loaded_model import LoadedModel
 from polylane.runtime.model.batch import build_forward_batch
@@ -42,11 +48,63 @@ class PendingTree:
     parents: tuple[int, ...]
 
 
+class PlannedBlocks:
+    """A served request's block table for one step, as the plan gives it: `num_tokens` written, and
+    every slot up to the table's end reserved for this step's writes (no pool references: the
+    scheduler's `KVManager` holds them)."""
+
+    def __init__(self, table: Sequence[int], num_tokens: int, block_size: int) -> None:
+        if not 0 <= num_tokens <= len(table) * block_size:
+            raise ValueError(f"{num_tokens} tokens do not fit in {len(table)} blocks of {block_size}")
+        self.table = list(table)
+        self.num_tokens = num_tokens
+        self.block_size = block_size
+
+    @property
+    def room(self) -> int:
+        """Slots reserved past the written tokens."""
+        return len(self.table) * self.block_size - self.num_tokens
+
+    def slot(self, index: int) -> int:
+        block, offset = divmod(index, self.block_size)
+        return self.table[block] * self.block_size + offset
+
+    def blocks_needed(self, num_new: int) -> int:
+        return 0
+
+    def prepare_write(self, num_new: int) -> list:
+        if num_new > self.room:
+            raise ValueError(f"writing {num_new} tokens, but the plan reserved {self.room} slots")
+        return []
+
+    def advance(self, num_new: int) -> None:
+        self.prepare_write(num_new)
+        self.num_tokens += num_new
+
+    def truncate(self, num_tokens: int) -> None:
+        if not 0 <= num_tokens <= self.num_tokens:
+            raise ValueError(f"cannot truncate a {self.num_tokens}-token sequence to {num_tokens}")
+        self.num_tokens = num_tokens
+
+    def compact(self, base: int, parents: Sequence[int], path: Sequence[int]) -> Compaction:
+        """The moves that keep the accepted path (the reserved slots are private: no copies)."""
+        validate_path(parents, path)
+        moves = path_moves(self.slot, base, path)
+        self.truncate(base + len(path))
+        return Compaction([], moves)
+
+    def fork(self) -> SequenceBlocks:
+        raise ValueError("a served request's sequence cannot be forked")
+
+    def release(self) -> None:
+        pass  # the scheduler's KVManager holds the blocks
+
+
 @dataclass(eq=False)
 class KVSequence:
     """A sequence's committed tokens (those whose KV is written) and its blocks."""
 
-    blocks: SequenceBlocks
+    blocks: SequenceBlocks | PlannedBlocks
     token_ids: list[int]
     cached_tokens: int = 0  # tokens served from the prefix tree when it was opened
     match: PrefixMatch | None = None
@@ -81,12 +139,26 @@ class ModelKV:
     ) -> None:
         self.model = model
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, block_size)
+        self.manager = KVManager(
+            num_blocks,
+            block_size,
+            prefix_cache=prefix_cache,
+            max_cached_blocks=max_cached_blocks,
+            namespace=model.name,
+        )
+        self.pool = self.manager.pool
+        self.tree = self.manager.tree
         self.cache = PagedKVCache(model.config, num_blocks, block_size, model.kv_dtype, model.device)
-        self.tree = PrefixTree(self.pool, model.name, max_cached_blocks) if prefix_cache else None
 
     def stats(self) -> PrefixTreeStats | None:
-        return self.tree.stats if self.tree is not None else None
+        return self.manager.stats()
+
+    def planned(self, table: Sequence[int], token_ids: Sequence[int], cached_tokens: int = 0) -> KVSequence:
+        """A served request's sequence for one step: `token_ids` written in `table`'s blocks, the
+        rest of the table reserved by the plan."""
+        return KVSequence(
+            PlannedBlocks(table, len(token_ids), self.block_size), list(token_ids), cached_tokens
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -110,6 +182,8 @@ class ModelKV:
         an aborted or failed one closes with cache=False); its blocks and prefix lock are let go."""
         if sequence.closed:
             raise ValueError("sequence already closed")
+        if isinstance(sequence.blocks, PlannedBlocks):
+            raise ValueError("a served request's KV is let go by the scheduler's KVManager")
         if cache and self.tree is not None and sequence.pending is None:
             self.tree.insert(sequence.token_ids, sequence.blocks.table)
         if sequence.match is not None:

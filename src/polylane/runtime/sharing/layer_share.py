@@ -2,7 +2,7 @@
 
 What this module owns: the registry of the models one engine serves (their digests, and a weak
 reference to the KV of each resident one), the boundary layers each resident model records, and
-opening a sequence that starts from a peer's cached prefix. Which layers two models share and
+extending a just-admitted sequence from a peer's cached prefix. Which layers two models share and
 which peer to read from are pure decisions (`policy.sharing.layer_share`); the bytes move in
 `PagedKVCache.import_band` and `ModelKV.extend_from_band`.
 
@@ -12,7 +12,8 @@ How a consumer reuses a provider's prefix, when both share layers `[0, L)`:
    cache's boundary state, registered here as soon as both digests are known). Its prefix tree
    holds the blocks; the same slots hold that state, and a flag per slot says the state belongs to
    the K/V now there.
-2. `open(consumer, prompt)` first matches the consumer's own prefix tree. Then, for every
+2. The scheduler admitted the consumer's request at its own prefix-cache hit, with slots for the
+   whole prompt reserved; `extend(consumer, kv, sequence, prompt)` then, for every
    resident peer with a band, it reads (no prefix lock; the engine thread owns every tree) the peer's
    cached whole blocks of the prompt, trims them to the leading tokens whose boundary state is
    valid, and lets `choose_source` pick the peer saving the most layer-tokens.
@@ -22,7 +23,7 @@ How a consumer reuses a provider's prefix, when both share layers `[0, L)`:
 
 The result is exact: layers `< L` compute bit-identical K/V and hidden states in both models, so
 the continuation matches the consumer's own cold prefill to float tolerance (tests/runtime/
-test_layer_share.py). The import runs inside the step that opens the sequence, outside the
+test_layer_share.py). The import runs inside the step that admits the sequence, outside the
 scheduler's token budget (it costs at most the upper layers of the reused prefix).
 
 A model's digests are known once it has been loaded on this machine (`runtime.loading.digests` caches them
@@ -42,7 +43,6 @@ import threading
 import weakref
 from collections.abc import Sequence
 
-from polylane.policy.kv.blocks import OutOfBlocksError
 from polylane.policy.sharing.layer_share import (
     CrossCandidate,
     CrossModelCounters,
@@ -107,18 +107,17 @@ class LayerShare:
 
     # ------------------------------------------------------------------ open
 
-    def open(self, name: str, kv: ModelKV, prompt_ids: Sequence[int]) -> KVSequence:
-        """`kv.open(prompt_ids)`, then extended from the best peer's cached prefix, if any beats
-        the model's own. Never fails for want of a peer: without one (or without blocks for the
-        import) the sequence is exactly what `kv.open` gave."""
-        sequence = kv.open(prompt_ids)
+    def extend(self, name: str, kv: ModelKV, sequence: KVSequence, prompt_ids: Sequence[int]) -> None:
+        """Extend a just-admitted `sequence` (its own prefix-cache hit written, slots for the rest
+        of `prompt_ids` reserved) from the best peer's cached prefix, if any beats the model's
+        own. Never fails for want of a peer: without one the sequence is left as it was."""
         if kv.tree is None or kv.model.digest is None:
-            return sequence
+            return
         self._sync_boundaries()
         lookup = prompt_ids[:-1]  # the last prompt token is always computed (its logits are needed)
         peers = self._peers(name, kv)
         if not peers:
-            return sequence
+            return
         with self._lock:
             counters = self._counters.setdefault(name, CrossModelCounters())
             counters.lookup()
@@ -131,21 +130,23 @@ class LayerShare:
                 sources[peer] = (peer_kv, slots)
         choice = choose_source(candidates, start, kv.model.config.num_layers)
         if choice is None:
-            return sequence
+            return
         peer_kv, slots = sources[choice.provider]
         try:
             kv.extend_from_band(
                 sequence, lookup[start : choice.num_tokens], peer_kv.cache, slots, choice.band
             )
-        except OutOfBlocksError:  # no room for the import: prefill it the usual way
-            log.info("no KV room to import %d tokens of %s into %s", len(slots), choice.provider, name)
-            return sequence
         except Exception:  # a failed import costs its speed-up, never the request: the tokens
             # it did not commit are prefilled (and their slots rewritten) the usual way
             log.exception("importing %d tokens of %s into %s failed", len(slots), choice.provider, name)
-            return sequence
+            return
         with self._lock:
             counters.hit(choice.provider, len(slots), choice.band)
+
+    def open(self, name: str, kv: ModelKV, prompt_ids: Sequence[int]) -> KVSequence:
+        """A scratch sequence (`kv.open`, blocks taken as it goes) extended as `extend` does."""
+        sequence = kv.open(prompt_ids)
+        self.extend(name, kv, sequence, prompt_ids)
         return sequence
 
     # ------------------------------------------------------------------ internals

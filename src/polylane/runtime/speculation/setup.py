@@ -266,6 +266,14 @@ class SpeculationSetup:
             add_model_drafter(speculator, plan, lease, target_bytes, self.runner.monitor)
             self.runner.add_drafter_lease(target, lease)
 
+    def lookahead(self, target: str) -> int:
+        """Slots past its token that a decode step of `target` reserves for a verify pass: its
+        largest draft (0 while it has no speculator or no drafter)."""
+        speculator = self.runner.speculators.get(target)
+        if speculator is None or not speculator.drafters:
+            return 0
+        return max(speculator.config.max_draft_tokens, speculator.config.max_tree_nodes)
+
     def snapshot(self) -> list[PairSnapshot]:
         out = []
         for target, pairs in list(self.pairs.items()):

@@ -33,16 +33,14 @@ path of blocks.c.
 #define WHOLE_ROWS_BELOW 16 /* fewer activation rows than this: weight rows coded whole */
 /* Coded activation rows taken per pass over W (a prompt's weight codes are made once per pass).
    Larger than blocks.c's X_BLOCK_BYTES: the rows stream from L2 or L3 well enough, and the coding
-   is the dearer part. Qwen2.5-Coder 1.5B's down projections (8,960 columns) at 512 rows, AMD EPYC
-   Zen 4, `bench/block_rows.py --rows 512`: 190 µs per row with 16 rows per pass (256 KiB), 103 with
-   182 (4 MiB); the other projections (1,536 columns) took all 512 rows in one pass either way. */
+   is the dearer part: fewer passes code W fewer times (measurements: docs/performance.md). */
 #define CODED_BLOCK_BYTES (4096 * 1024)
 /* Fewer activation rows than this (decode batches, verify passes) and a tile whose formats have
    decode kernels: each weight span is unpacked in registers for DECODE_ROWS activation rows at a
    time (blocks_q8_decode.c: each pair's running lanes kept across spans) instead of coded into a buffer.
-   Per row of SmolLM2's 960×576 Q4_1 product, AMD EPYC Zen 4, VNNI (`bench/block_rows.py`, against
-   the commit before this path): 8 rows 7.1 µs vs 11.8 coded, 16 rows 6.6 vs 8.5; 64 rows about even
-   (6.3 vs 6.4), and 16 activation rows at a time spill registers. */
+   With few activation rows that is faster than coding the weights first; with many the two are
+   about even. DECODE_ROWS is 8 because 16 activation rows at a time spill registers
+   (measurements: docs/performance.md). */
 #define DECODE_ROWS_BELOW 32
 #define DECODE_ROWS 8
 /* Codes whose group sums are formed in integers before any float operation: a span's groups take

@@ -282,10 +282,8 @@ static inline __attribute__((always_inline)) void span_codes(int64_t type, const
         const __m256i low_a = _mm256_loadu_si256((const __m256i *)ql), low_b = _mm256_loadu_si256((const __m256i *)(ql + 32));
         const __m256i high = _mm256_loadu_si256((const __m256i *)qh);
         /* as simd_code_row: code q's fifth and sixth bits, bits 2q and 2q + 1 of qh, moved to bits 4
-           and 5 by one 16-bit shift each (what crosses a byte lands outside the mask); with the
-           shift-and-mask of each step this took 22 operations, here 17. AVX2 build, AMD EPYC Zen 4,
-           `bench/block_rows.py --rows 1` (alternating builds): the Q6_K output matrix 6,209 →
-           5,599 µs, the Q6_K down projection 331 → 294. */
+           and 5 by one 16-bit shift each (what crosses a byte lands outside the mask): fewer
+           operations than a shift-and-mask per step (measurements: docs/performance.md). */
         const __m256i top_bits = _mm256_set1_epi8(0x30);
         codes[0] = _mm256_or_si256(_mm256_and_si256(low_a, low4), _mm256_and_si256(_mm256_slli_epi16(high, 4), top_bits));
         codes[1] = _mm256_or_si256(_mm256_and_si256(low_b, low4), _mm256_and_si256(_mm256_slli_epi16(high, 2), top_bits));
@@ -406,13 +404,10 @@ static inline float decode_total(__m256 lanes) {
 static int has_decode_kernel(int64_t type) { return type == GGML_Q4_K || type == GGML_Q6_K || small_block_bytes(type) > 0; }
 
 /* Bytes read ahead of the Q4_K super-block being dotted by one activation row (32 super-blocks: the
-   next rows of the tile and the next tiles, which follow in the file). Once decode_span_k4 (VNNI)
-   and decode_superblock_k4 (AVX2) needed fewer operations per super-block, the hardware prefetcher
-   alone left them waiting on the weights. Qwen2.5-Coder 1.5B, AMD EPYC Zen 4, `bench/block_rows.py
-   --rows 1`, 2 threads, best of three alternating runs, µs per product: VNNI without → with it
-   gate/up 579 → 462, the Q4_K down projection 253 → 218, o 60.5 → 55.7, QKV 81 → 71 (2,304 to
-   6,912 bytes ahead alike; span_codes with it was slower, 610); the AVX2 build gate/up 567 → 521,
-   down 282 → 259, QKV 80 → 74. Q6_K rows stream at the memory's speed without it (312 → 332 with). */
+   next rows of the tile and the next tiles, which follow in the file). Read ahead because
+   decode_span_k4 (VNNI) and decode_superblock_k4 (AVX2) need so few operations per super-block
+   that the hardware prefetcher alone leaves them waiting on the weights. Q4_K only: Q6_K rows
+   stream at the memory's speed without it (measurements: docs/performance.md). */
 #define K4_AHEAD 4608
 
 /* One row, span after span. */
@@ -485,11 +480,9 @@ static void decode_tile(const int64_t *types, const uint8_t *const *rows, int64_
 }
 
 /* Spans read ahead of the one being dotted by decode_row_rows. A span serves up to DECODE_ROWS
-   activation rows, long enough for the hardware prefetcher to fall behind: the next span's first
-   load took 23% of a Q6_K down projection's `perf` samples. Qwen2.5-Coder 1.5B, AMD EPYC Zen 4,
-   `bench/block_rows.py --rows 8` (best of two alternating runs): the Q6_K down projection 203 →
-   142 µs per row, the Q6_K output matrix 4,242 → 2,375, the Q4_K products unchanged within the
-   noise. One span ahead or three were no better; one row (decode_row) was slower with it. */
+   activation rows, long enough for the hardware prefetcher to fall behind, leaving the rows waiting
+   on the next span's first load. decode_row (one activation row) does not read spans ahead: it is
+   slower with it (measurements: docs/performance.md). */
 #define SPANS_AHEAD 2
 
 /* lanes[j] += x_j · w over columns [c0, c1) (whole spans, or to k) for `count` (<= DECODE_ROWS)
@@ -529,9 +522,8 @@ static inline __attribute__((always_inline)) void decode_row_rows_of(int64_t typ
    unpacked once for all the activation rows, every (activation row, weight row) pair through
    coded_tile_step's operations, so each row's result is what it would be alone. Long rows go
    DECODE_CHUNK columns at a time for the tile's rows together, so that the activation rows' piece
-   stays in L1 while the four weight rows take it (Qwen2.5-Coder 1.5B's down projections, 8,960
-   columns: eight whole activation rows are 70 KB; AMD EPYC Zen 4, `bench/block_rows.py --rows 8`,
-   best of two alternating runs: the Q6_K down projection 210 → 181 µs per row). */
+   stays in L1 while the four weight rows take it (eight whole activation rows would not: at
+   8,960 columns they are 70 KB; measurements: docs/performance.md). */
 #define DECODE_CHUNK 1024
 static void decode_tile_rows(const int64_t *types, const uint8_t *const *rows, int64_t count, int64_t k,
                              const CodedActivations *x, int64_t stride, int64_t activation_rows, float *y, int64_t ldy) {

@@ -53,9 +53,8 @@
 #include "blocks.c" /* GGUF block formats in place: the BLOCKS kind */
 
 #define QUANT_GROUP 32 /* int4 and int8 weights per scale (the dense kinds) */
-/* A prompt run (see the header) has this many tokens or more: from 16 the prompt paths are about as
- * fast as the exact ones, and faster from 20 (`bench/native_step.py --prefill 16 20 24 32`, against
- * a build with this set above 32). */
+/* A prompt run (see the header) has this many tokens or more: from here the prompt paths are about
+ * as fast as the exact ones, and faster beyond (measurements: docs/performance.md). */
 #define RUN_ROWS 16
 /* Forwards of this many tokens or more run their per-token work (norms, RoPE, KV writes,
  * residuals, activation rounding) on all threads; fewer stay on one (no fork per op). */
@@ -74,8 +73,8 @@
         }                                                                         \
     } while (0)
 /* How far ahead of the column pair being multiplied the weight stream is prefetched: without it
- * one-row matmuls read memory at ~10 GB/s of the ~23 two cores can stream (SmolLM2 decode step
- * 6.9 -> 4.3 ms; 1 KiB ahead gave 5.6 ms, 8 KiB 4.5 ms). */
+ * one-row matmuls read memory well below the bandwidth the cores can stream (measurements:
+ * docs/performance.md). */
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
 #endif
