@@ -59,6 +59,7 @@ from polylane import catalog
 from polylane.policy.residency.pool import RESIDENT, ResidencyPool
 from polylane.runtime.loading.converted import converted_path
 from polylane.runtime.loading.loader import estimate_weight_bytes, parse_dtype
+from polylane.runtime.loading.model_record import resolve_record
 from polylane.runtime.residency.manager import ResidencyManager
 
 MODELS = [
@@ -117,7 +118,7 @@ def bench_loads(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             "estimate_bytes": estimate_weight_bytes(source.path, source.format, args.dtype),
             "reload_s_all": [],
         }
-        manager.register(name, dtype=args.dtype, kv_tokens=args.kv_tokens)
+        manager.register(resolve_record(name, dtype=args.dtype, kv_tokens=args.kv_tokens))
 
     def load_once(name: str) -> tuple[float, int]:
         with manager.acquire(name):
@@ -165,7 +166,7 @@ def bench_warm_acquire(args: argparse.Namespace) -> dict[str, Any]:
     for policy in POLICIES:
         manager = ResidencyManager(1 << 50, eviction=policy)
         for model in MODELS:
-            manager.register(model, dtype=args.dtype, kv_tokens=args.kv_tokens)
+            manager.register(resolve_record(model, dtype=args.dtype, kv_tokens=args.kv_tokens))
         with manager.acquire(name):
             pass
         managers[policy] = manager
@@ -288,7 +289,7 @@ def bench_real_replay(
     for policy in POLICIES:
         manager = ResidencyManager(budget, eviction=policy)
         for name in MODELS:
-            manager.register(name, dtype=args.dtype, kv_tokens=args.kv_tokens)
+            manager.register(resolve_record(name, dtype=args.dtype, kv_tokens=args.kv_tokens))
         started = time.perf_counter()
         for name in stream:
             with manager.acquire(name):

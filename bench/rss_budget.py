@@ -40,6 +40,7 @@ def main() -> None:
     import torch  # noqa: F401 (imported before the first measurement: part of the baseline)
 
     from polylane.runtime.kv.model_kv import Extend
+    from polylane.runtime.loading.model_record import resolve_record
     from polylane.runtime.residency.manager import ResidencyManager
     from polylane.server.config import parse_size
 
@@ -47,7 +48,7 @@ def main() -> None:
     manager = ResidencyManager(parse_size(args.budget, lambda: 0), quiet=True)
     names = args.models.split(",")
     for name in names:
-        manager.register(name, dtype=args.dtype, kv_tokens=args.kv_tokens)
+        manager.register(resolve_record(name, dtype=args.dtype, kv_tokens=args.kv_tokens))
     rows, leases = [], []
     for name in names:
         before = process.memory_info().rss

@@ -25,7 +25,6 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from polylane import catalog
 from polylane.engine_stats import EngineStats, StatsRecorder
 from polylane.policy.residency.eviction import DEFAULT_EVICTION
 from polylane.policy.residency.pool import NoRoomError, ResidencyError, UnknownModelError
@@ -35,29 +34,20 @@ from polylane.policy.speculation.control import SpeculationConfig
 from polylane.runtime.cpu_load import ComputeThreads
 from polylane.runtime.loading.digests import cached_digest
 from polylane.runtime.loading.load_thread import TransientWorker
-from polylane.runtime.loading.loader import estimate_weight_bytes, read_config
-from polylane.runtime.residency.manager import DEFAULT_KV_TOKENS, ModelLease, ResidencyManager
+from polylane.runtime.loading.model_record import DEFAULT_KV_TOKENS, ModelRecord, resolve_record
+from polylane.runtime.residency.manager import ModelLease, ResidencyManager
 from polylane.runtime.runner import Runner
-from polylane.runtime.sampling.defaults import read_sampling_defaults
 from polylane.runtime.sampling.detokenizer import IncrementalDetokenizer
 from polylane.runtime.sampling.grammar import Constraint
-from polylane.runtime.sampling.tokenizer import ChatTemplateError, Tokenizer, load_tokenizer
+from polylane.runtime.sampling.tokenizer import ChatTemplateError
 from polylane.runtime.speculation.setup import SpeculationSetup
-from polylane.types import DEFAULT_DTYPE, SamplingDefaults, SamplingParams, StepPlan, StepResult, TokenLogprob
+from polylane.types import DEFAULT_DTYPE, SamplingParams, StepPlan, StepResult, TokenLogprob
 
 log = logging.getLogger(__name__)
 
 
 class RequestTooLongError(ValueError):
     """The prompt plus max_tokens do not fit the model's context (or its KV pool)."""
-
-
-def _header_bytes(source: catalog.ModelSource, dtype: str) -> int:
-    """Weight bytes from the file's header (what a decode step streams), 0 when unknown."""
-    try:
-        return estimate_weight_bytes(source.path, source.format, dtype)
-    except Exception:
-        return 0
 
 
 # Woken from idle, the loop gathers a burst (`EngineConfig.arrival_quiet_s`), polling this often,
@@ -85,30 +75,6 @@ class EngineConfig:
     # Compute threads (torch's and the native stack's): 0 adapts to the machine, every core while it
     # is idle and fewer while other processes keep cores busy (`policy/scheduling/threads.py`); N fixes N.
     threads: int = 0
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """A registered model: what the engine knows before (and without) loading its weights."""
-
-    name: str
-    source: str
-    dtype: str
-    pinned: bool
-    max_context: int
-    kv_tokens: int
-    tokenizer: Tokenizer = field(repr=False)
-    speculation: SpeculationConfig | None = None
-    weight_bytes: int = 0  # estimated from the file's header (0: unknown)
-    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # for fields a request leaves unset
-
-    @property
-    def max_request_tokens(self) -> int:
-        return min(self.max_context, self.kv_tokens)
-
-    @property
-    def tokenizer_digest(self) -> str:
-        return self.tokenizer.digest
 
 
 @dataclass(frozen=True)
@@ -289,7 +255,7 @@ class Engine:
         self.speculation = SpeculationSetup(self.manager, self.runner)
         self.stats_recorder = StatsRecorder()
         self.compute_threads = ComputeThreads(config.threads)
-        self._models: dict[str, ServedModel] = {}
+        self._models: dict[str, ModelRecord] = {}
         self._outputs: dict[int, _Output] = {}
         self._last_active: dict[str, float] = {}  # model → monotonic time its last request began or ended
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -315,7 +281,7 @@ class Engine:
         pinned: bool = False,
         kv_tokens: int = DEFAULT_KV_TOKENS,
         speculation: SpeculationConfig | bool | str | list[str] | dict[str, Any] | None = None,
-    ) -> ServedModel:
+    ) -> ModelRecord:
         """Serve a model (catalogue name or local path; fetched now if missing, loaded on first use).
 
         speculation: speculative decoding for this model's requests (a `SpeculationConfig`, True
@@ -323,34 +289,27 @@ class Engine:
         """
         if name in self._models:
             raise ValueError(f"model {name!r} is already registered")
-        resolved = catalog.resolve(source or name, quiet=self.config.quiet)
-        model_config = read_config(resolved.path, resolved.format)
-        tokenizer = load_tokenizer(resolved)
-        kv_tokens = min(kv_tokens, model_config.max_context)
-        self.manager.register(name, source or name, dtype, pinned, kv_tokens)
-        self.runner.sharing.declare(name, cached_digest(resolved, dtype))  # peers may share its layers
         if not isinstance(speculation, SpeculationConfig):
             speculation = SpeculationConfig.parse(speculation)
-        served = ServedModel(
+        record = resolve_record(
             name,
-            source or name,
-            dtype,
-            pinned,
-            model_config.max_context,
-            kv_tokens,
-            tokenizer,
-            speculation,
-            _header_bytes(resolved, dtype),
-            read_sampling_defaults(resolved.path, resolved.format),
+            source,
+            dtype=dtype,
+            kv_tokens=kv_tokens,
+            pinned=pinned,
+            speculation=speculation,
+            quiet=self.config.quiet,
         )
-        self.speculation.register(served, speculation, source or name, kv_tokens)
-        self._models[name] = served
+        self.manager.register(record)
+        self.runner.sharing.declare(name, cached_digest(record.file, dtype))  # peers may share its layers
+        self.speculation.register(record)
+        self._models[name] = record
         self._inbox.put(("model", name))
         self._wake.set()
-        return served
+        return record
 
     @property
-    def models(self) -> dict[str, ServedModel]:
+    def models(self) -> dict[str, ModelRecord]:
         return dict(self._models)
 
     # ------------------------------------------------------------------ requests
@@ -386,7 +345,7 @@ class Engine:
     def _queue(
         self,
         model: str,
-        served: ServedModel,
+        served: ModelRecord,
         prompt: str | Sequence[int] | None,
         messages: list[dict[str, str]] | None,
         params: SamplingParams,

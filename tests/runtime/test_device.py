@@ -155,11 +155,12 @@ def test_smollm2_on_cuda_decodes_what_it_decodes_on_the_cpu(dtype):
 
 @needs_cuda
 def test_evicting_a_model_on_cuda_gives_its_device_memory_back():
+    from polylane.runtime.loading.model_record import resolve_record
     from polylane.runtime.residency.manager import ResidencyManager
 
     fetch_or_skip(SMOL)
     manager = ResidencyManager(8 * 2**30, device="cuda")
-    manager.register("m", SMOL, dtype="fp32", kv_tokens=256)
+    manager.register(resolve_record("m", SMOL, dtype="fp32", kv_tokens=256))
     before = torch.cuda.memory_allocated()
     with manager.acquire("m"):
         loaded = torch.cuda.memory_allocated()

@@ -1,6 +1,7 @@
 """ResidencyManager on real models: a budget that holds two of three evicts the least recently used;
-unloading gives the memory back; a broken file (truncated, corrupt header, NaN block scales) fails
-only its own admission; many threads never exceed the budget nor lose a model in use.
+unloading gives the memory back; a broken file fails only its own registration (truncated, corrupt
+header, missing: found when its record is resolved) or its own admission (NaN block scales: found by
+the load); many threads never exceed the budget nor lose a model in use.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import threading
 import numpy as np
 import pytest
 
+from polylane.catalog import ModelNotFoundError
 from polylane.policy.residency.pool import NoRoomError
 from polylane.runtime.kv.model_kv import Extend
 from polylane.runtime.loading.gguf_file import GGUFFile
 from polylane.runtime.loading.loader import estimate_weight_bytes
+from polylane.runtime.loading.model_record import resolve_record
 from polylane.runtime.residency.manager import ModelLoadError, ResidencyManager
+from polylane.types import LoadError
 from tests.conftest import fetch_or_skip
 
 SMOL, GEMMA, QWEN = "smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-0.5b-instruct"
@@ -59,7 +63,7 @@ def test_budget_for_two_of_three_evicts_the_least_recently_used(record_property)
     assert budget < sum(sizes.values()) - 0.5 * sizes[GEMMA], "the budget must not hold all three"
     manager = ResidencyManager(budget)
     for name in (SMOL, GEMMA, QWEN):
-        manager.register(name, dtype="bf16", kv_tokens=KV_TOKENS)
+        manager.register(resolve_record(name, dtype="bf16", kv_tokens=KV_TOKENS))
     with manager.acquire(SMOL) as smol:
         smol_token = _next_token(smol)
     with manager.acquire(GEMMA):
@@ -83,10 +87,11 @@ def test_budget_for_two_of_three_evicts_the_least_recently_used(record_property)
 
 RSS_SCRIPT = """
 import json, psutil
+from polylane.runtime.loading.model_record import resolve_record
 from polylane.runtime.residency.manager import ResidencyManager
 rss = lambda: psutil.Process().memory_info().rss
 manager = ResidencyManager(8 * 2**30, device="cpu")  # host memory is what this measures
-manager.register("m", SOURCE, dtype="bf16", kv_tokens=256)
+manager.register(resolve_record("m", SOURCE, dtype="bf16", kv_tokens=256))
 with manager.acquire("m"):  # a warm-up cycle: imports, tokenizer caches, a first conversion
     pass
 manager.evict("m")
@@ -131,19 +136,21 @@ def test_a_broken_file_fails_only_its_own_admission(tmp_path):
     data[start : start + 2] = np.array([np.nan], dtype=np.float16).tobytes()
     nan_scales.write_bytes(bytes(data))
     manager = ResidencyManager(int(1.5 * (_estimate(SMOL) + KV_ALLOWANCE)))
-    manager.register(SMOL, dtype="bf16", kv_tokens=KV_TOKENS)
-    manager.register("truncated", str(truncated), dtype="bf16")
-    manager.register("corrupt", str(corrupt), dtype="bf16")
-    manager.register("missing", str(tmp_path / "nowhere.gguf"), dtype="bf16")
-    manager.register("nan-scales", str(nan_scales), dtype="auto", kv_tokens=KV_TOKENS)  # fits beside
-    manager.register("too-big", SMOL, dtype="fp32", kv_tokens=KV_TOKENS)
+    manager.register(resolve_record(SMOL, dtype="bf16", kv_tokens=KV_TOKENS))
+    # a valid header, one block scale overwritten: found by the load
+    manager.register(resolve_record("nan-scales", str(nan_scales), dtype="auto", kv_tokens=KV_TOKENS))
+    manager.register(resolve_record("too-big", SMOL, dtype="fp32", kv_tokens=KV_TOKENS))
     with manager.acquire(SMOL) as lease:
         token = _next_token(lease)
     before = manager.snapshot()
+    # a file cut short, not a model, or no file: refused when it is resolved, before registration
+    with pytest.raises(LoadError, match="truncated"):
+        resolve_record("truncated", str(truncated), dtype="bf16")
+    with pytest.raises(LoadError, match="not a valid GGUF"):
+        resolve_record("corrupt", str(corrupt), dtype="bf16")
+    with pytest.raises(ModelNotFoundError, match=r"nowhere\.gguf"):
+        resolve_record("missing", str(tmp_path / "nowhere.gguf"), dtype="bf16")
     for name, message in [
-        ("truncated", "truncated"),
-        ("corrupt", "not a valid GGUF"),
-        ("missing", "nowhere.gguf"),
         ("nan-scales", "'blk.4.ffn_up.weight' has 1 NaN or infinite block scales"),
     ]:
         with pytest.raises(ModelLoadError, match=message):
@@ -163,7 +170,7 @@ def test_threads_never_exceed_the_budget_nor_lose_a_model_in_use():
     manager = ResidencyManager(budget)
     names = ["a", "b", "c"]
     for name in names:
-        manager.register(name, SMOL, dtype="bf16", kv_tokens=KV_TOKENS)
+        manager.register(resolve_record(name, SMOL, dtype="bf16", kv_tokens=KV_TOKENS))
     failures: list[str] = []
     stop = threading.Event()
 
@@ -208,7 +215,7 @@ def test_admission_counts_the_kv_reservation_before_loading():
     source = fetch_or_skip(SMOL)
     weights = estimate_weight_bytes(source.path, source.format, "auto")
     manager = ResidencyManager(weights + 2**20)  # room for the weights, not for their 4,096-token KV
-    manager.register(SMOL, dtype="auto", kv_tokens=4096)
+    manager.register(resolve_record(SMOL, dtype="auto", kv_tokens=4096))
     (cold,) = manager.snapshot()
     assert cold.bytes > weights + 40 * 2**20, (cold.bytes, weights)  # the KV is counted before the load
     with pytest.raises(NoRoomError) as caught:

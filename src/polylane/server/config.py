@@ -49,7 +49,7 @@ import psutil
 from polylane import catalog
 from polylane.policy.residency.eviction import DEFAULT_EVICTION
 from polylane.policy.speculation.control import SpeculationConfig
-from polylane.runtime.residency.manager import DEFAULT_KV_TOKENS
+from polylane.runtime.loading.model_record import DEFAULT_KV_TOKENS
 from polylane.runtime.residency.siblings import SiblingError, SiblingSpec, ensure_sibling, sibling_path
 from polylane.sizes import parse_bytes
 from polylane.types import DEFAULT_DTYPE, SAMPLING_FIELDS, WEIGHT_DTYPES, SamplingDefaults

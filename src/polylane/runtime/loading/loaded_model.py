@@ -119,14 +119,15 @@ class LoadedModel:
 
 
 def load_model(
-    name_or_path: str,
+    name_or_path: str | catalog.ModelSource,
     dtype: str | torch.dtype = "fp32",
     quiet: bool = False,
     convert_cache: bool = True,
     device: str | torch.device = "auto",
 ) -> LoadedModel:
-    """Resolve (fetching a catalogue model on first use), read weights and tokenizer, and put the
-    model on `device` ("auto": CUDA when torch sees a GPU, else CPU; see `runtime.model.device`).
+    """Resolve (fetching a catalogue model on first use; a `ModelSource` is resolved already), read
+    weights and tokenizer, and put the model on `device` ("auto": CUDA when torch sees a GPU, else
+    CPU; see `runtime.model.device`).
 
     dtype "auto" (the default of `serve`): a GGUF file computes from its own quantised blocks in
     place (`runtime.loading.gguf_in_place`) on the CPU, nothing converted, activations rounded to 8 bits per
@@ -138,7 +139,10 @@ def load_model(
     projections (bf16 inside those kernels); its activations and KV are float32.
     """
     target = resolve_device(device)  # a missing device fails before anything is read
-    source = catalog.resolve(name_or_path, quiet=quiet)
+    if isinstance(name_or_path, catalog.ModelSource):
+        source = name_or_path
+    else:
+        source = catalog.resolve(name_or_path, quiet=quiet)
     started = time.perf_counter()
     plan = LoadPlan.of(source, dtype, target)
     if (problem := plan.kernels_problem) is not None:

@@ -31,7 +31,6 @@ from typing import Any
 import psutil
 import torch
 
-from polylane import catalog
 from polylane.policy.residency.eviction import DEFAULT_EVICTION
 from polylane.policy.residency.pool import (
     LOADING,
@@ -50,28 +49,18 @@ from polylane.runtime.loading.loader import (
     LoadError,
     estimate_weight_bytes,
     parse_dtype,
-    read_config,
 )
+from polylane.runtime.loading.model_record import ModelRecord
 from polylane.runtime.model.device import resolve_device
 from polylane.runtime.model.quantize import QUANTISED_FORMATS
-from polylane.types import DEFAULT_DTYPE
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KV_TOKENS = 4096
 DEFAULT_BLOCK_SIZE = 16
 
 
 class ModelLoadError(RuntimeError):
     """Loading one model failed; the pool and every other model are unchanged."""
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    source: str  # catalogue name or local path
-    dtype: str
-    kv_tokens: int
 
 
 @dataclass
@@ -162,36 +151,34 @@ class ResidencyManager:
         self.prefix_cache = prefix_cache
         _set_mmap_threshold(RUN_MMAP_THRESHOLD)
         self._pool = ResidencyPool(budget_bytes, eviction=eviction)
-        self._specs: dict[str, ModelSpec] = {}
+        self._records: dict[str, ModelRecord] = {}
         self._load_seconds = 0.0
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
 
     # ------------------------------------------------------------------ registry
 
-    def register(
-        self,
-        name: str,
-        source: str | None = None,
-        dtype: str = DEFAULT_DTYPE,
-        pinned: bool = False,
-        kv_tokens: int = DEFAULT_KV_TOKENS,
-    ) -> None:
-        """Declare a model (cold). Its size is estimated from the file header when the file is
-        already on disk (nothing is fetched here), else when it is first loaded."""
-        if dtype not in (*QUANTISED_FORMATS, *IN_PLACE_ACTIVATION_BITS):
-            parse_dtype(dtype)
-        if kv_tokens < self.block_size:
-            raise ResidencyError(f"model {name!r}: kv_tokens must be >= {self.block_size}, got {kv_tokens}")
-        spec = ModelSpec(name, source or name, dtype, kv_tokens)
+    def register(self, record: ModelRecord) -> None:
+        """Declare a model (cold), sized from its file's header (`runtime.loading.model_record`:
+        resolved once, when it was registered; loads read `record.file`)."""
+        if record.dtype not in (*QUANTISED_FORMATS, *IN_PLACE_ACTIVATION_BITS):
+            parse_dtype(record.dtype)
+        if record.kv_tokens < self.block_size:
+            raise ResidencyError(
+                f"model {record.name!r}: kv_tokens must be >= {self.block_size}, got {record.kv_tokens}"
+            )
+        try:
+            estimate = self._holding(record)
+        except Exception:  # unreadable past the header: the load reports it properly
+            estimate = 0
         with self._lock:
-            self._pool.register(name, self._local_estimate(spec), pinned)
-            self._specs[name] = spec
+            self._pool.register(record.name, estimate, record.pinned)
+            self._records[record.name] = record
 
     @property
     def names(self) -> list[str]:
         with self._lock:
-            return list(self._specs)
+            return list(self._records)
 
     # ------------------------------------------------------------------ acquire / release
 
@@ -208,32 +195,32 @@ class ResidencyManager:
                 if self._pool.state(name).state == "resident":
                     self._pool.begin_load(name)  # a hit: refreshes recency
                     return ModelLease(self, name, self._pool.acquire(name))  # type: ignore[arg-type]
-                spec = self._specs[name]
-            estimate = self._estimate(spec)  # header read outside the lock; raises before any eviction
+                record = self._records[name]
+            estimate = self._estimate(record)  # header read outside the lock; raises before any eviction
             with self._lock:
                 if self._pool.state(name).state == "cold":
                     self._drop(self._pool.begin_load(name, estimate))
                     break
             # another thread started loading it meanwhile: wait for that load
-        return self._load_and_lease(name, spec)
+        return self._load_and_lease(name, record)
 
     def try_acquire(self, name: str) -> ModelLease | None:
         """A lease on `name` if it is resident now (a hit), else None; never loads or waits."""
         with self._lock:
-            if name not in self._specs or self._pool.state(name).state != "resident":
+            if name not in self._records or self._pool.state(name).state != "resident":
                 return None
             self._pool.begin_load(name)  # a hit: refreshes recency
             return ModelLease(self, name, self._pool.acquire(name))  # type: ignore[arg-type]
 
-    def _load_and_lease(self, name: str, spec: ModelSpec) -> ModelLease:
+    def _load_and_lease(self, name: str, record: ModelRecord) -> ModelLease:
         try:
-            resident = self._load(spec)
+            resident = self._load(record)
         except BaseException as error:
             with self._lock:
                 self._pool.abort_load(name)
                 self._changed.notify_all()
-            if isinstance(error, (LoadError, catalog.ModelNotFoundError, catalog.FetchError, OSError)):
-                raise ModelLoadError(f"cannot load model {name!r} from {spec.source}: {error}") from error
+            if isinstance(error, (LoadError, OSError)):
+                raise ModelLoadError(f"cannot load model {name!r} from {record.source}: {error}") from error
             raise
         with self._lock:
             try:
@@ -321,42 +308,37 @@ class ResidencyManager:
 
     # ------------------------------------------------------------------ internals
 
-    def _estimate(self, spec: ModelSpec) -> int:
+    def _estimate(self, record: ModelRecord) -> int:
         """What the model will hold once loaded, from its header: weights and KV reservation (so a
         model is admitted, and others evicted for it, by what it takes: no load found too large)."""
         try:
-            return self._holding(spec, catalog.resolve(spec.source, quiet=self.quiet))
-        except (LoadError, catalog.ModelNotFoundError, catalog.FetchError, OSError) as error:
-            raise ModelLoadError(f"cannot load model {spec.name!r} from {spec.source}: {error}") from error
+            return self._holding(record)
+        except (LoadError, OSError) as error:
+            message = f"cannot load model {record.name!r} from {record.source}: {error}"
+            raise ModelLoadError(message) from error
 
-    def _local_estimate(self, spec: ModelSpec) -> int:
-        """_estimate's bytes if the file is on disk already; 0 (unknown) otherwise."""
-        try:
-            return self._holding(spec, catalog.resolve(spec.source, fetch_missing=False, quiet=True))
-        except Exception:  # not fetched yet, or unreadable: the load reports it properly
-            return 0
-
-    def _holding(self, spec: ModelSpec, source: catalog.ModelSource) -> int:
-        weights = estimate_weight_bytes(source.path, source.format, _estimate_dtype(spec.dtype))
-        slots = -(-spec.kv_tokens // self.block_size) * self.block_size
-        config = read_config(source.path, source.format)
-        if spec.dtype in IN_PLACE_ACTIVATION_BITS and source.format == "gguf":
+    def _holding(self, record: ModelRecord) -> int:
+        file = record.file
+        weights = estimate_weight_bytes(file.path, file.format, _estimate_dtype(record.dtype))
+        slots = -(-record.kv_tokens // self.block_size) * self.block_size
+        config = record.config
+        if record.dtype in IN_PLACE_ACTIVATION_BITS and file.format == "gguf":
             # the in-place model's Q and K row maps (int64 per row, where rotary order reorders them)
             weights += config.num_layers * (config.num_heads + config.num_kv_heads) * config.head_dim * 8
-        return weights + kv_cache_bytes(source, spec.dtype, config, slots, self.device)
+        return weights + kv_cache_bytes(file, record.dtype, config, slots, self.device)
 
-    def _load(self, spec: ModelSpec) -> ResidentModel:
+    def _load(self, record: ModelRecord) -> ResidentModel:
         """Load on a thread that ends with the load, whichever thread asks (the server's main
         thread, a request pool, the engine's loader): a live thread that has run torch ops slows
         every op of the engine thread from then on (see `runtime.loading.load_thread`)."""
-        return run_in_transient_thread(self._load_here, spec)
+        return run_in_transient_thread(self._load_here, record)
 
-    def _load_here(self, spec: ModelSpec) -> ResidentModel:
+    def _load_here(self, record: ModelRecord) -> ResidentModel:
         rss_before = psutil.Process().memory_info().rss
         started = time.perf_counter()
         with _weights_in_own_mappings():
-            model = load_model(spec.source, spec.dtype, quiet=self.quiet, device=self.device)
-            num_blocks = -(-spec.kv_tokens // self.block_size)
+            model = load_model(record.file, record.dtype, quiet=self.quiet, device=self.device)
+            num_blocks = -(-record.kv_tokens // self.block_size)
             kv = ModelKV(
                 model, num_blocks=num_blocks, block_size=self.block_size, prefix_cache=self.prefix_cache
             )
@@ -365,9 +347,9 @@ class ResidencyManager:
         rss_delta = psutil.Process().memory_info().rss - rss_before
         log.info(
             "loaded %s (%s, %s) in %.2f s: %.1f MiB weights + %.1f MiB KV; computed by %s",
-            spec.name,
-            spec.source,
-            spec.dtype,
+            record.name,
+            record.source,
+            record.dtype,
             seconds,
             model.weight_bytes / 2**20,
             kv.cache.nbytes / 2**20,
@@ -388,12 +370,12 @@ class ResidencyManager:
             torch.cuda.empty_cache()  # torch's caching allocator hands the device memory back
 
     def _info(self, state: ModelState) -> ModelInfo:
-        spec = self._specs[state.name]
+        record = self._records[state.name]
         handle = self._pool.handle(state.name)
         return ModelInfo(
             name=state.name,
-            source=spec.source,
-            dtype=spec.dtype,
+            source=record.source,
+            dtype=record.dtype,
             state=state.state,
             bytes=state.bytes,
             pinned=state.pinned,

@@ -23,6 +23,7 @@ from typing import Protocol
 from polylane.policy.scheduling.lane import LaneMonitor
 from polylane.policy.speculation.control import AUTO, NGRAM, TWIN_PREFIX, PairStats, SpeculationConfig
 from polylane.policy.speculation.cost import SpecMeasurements
+from polylane.runtime.loading.model_record import ModelRecord
 from polylane.runtime.residency.manager import ModelLease, ResidencyManager
 from polylane.runtime.runner import Runner
 from polylane.runtime.speculation.drafters import ModelDrafter, NgramDrafter
@@ -34,7 +35,7 @@ NGRAM_RELATIVE_COST = 0.002  # a dictionary lookup against a target forward
 
 
 class ServedLike(Protocol):
-    """What `drafter_plans` reads of a served model (the engine's `ServedModel`)."""
+    """What `drafter_plans` reads of a served model (its `ModelRecord`)."""
 
     name: str
     weight_bytes: int
@@ -187,19 +188,19 @@ class SpeculationSetup:
         self.pairs: dict[str, dict[str, PairStats]] = {}  # target → drafter → statistics
         self.costs: dict[str, SpecMeasurements] = {}  # target → what its speculation costs
 
-    def register(
-        self, served: ServedLike, config: SpeculationConfig | None, source: str, kv_tokens: int
-    ) -> None:
-        """A served model (every one, so that it can be found as a drafter); with `config`, it
-        speculates, and its twins become models of the residency manager (cold until used)."""
-        self.served[served.name] = served
+    def register(self, record: ModelRecord) -> None:
+        """A served model (every one, so that it can be found as a drafter); with a speculation
+        config, it speculates, and its twins become models of the residency manager (cold until
+        used: the same record under the twin's name and format)."""
+        self.served[record.name] = record
+        config = record.speculation
         if config is None:
             return
-        self.configs[served.name] = config
-        self.pairs.setdefault(served.name, {})
-        self.costs.setdefault(served.name, SpecMeasurements())
+        self.configs[record.name] = config
+        self.pairs.setdefault(record.name, {})
+        self.costs.setdefault(record.name, SpecMeasurements())
         for fmt in twin_formats(config):
-            self.manager.register(twin_name(served.name, fmt), source, fmt, False, kv_tokens)
+            self.manager.register(record.twin(twin_name(record.name, fmt), fmt))
 
     def acquire_drafters(self, target: str) -> dict[str, ModelLease]:
         """Loader thread: leases on the target's drafter models (loading the ones it may load);
