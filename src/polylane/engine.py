@@ -32,7 +32,6 @@ from polylane.policy.scheduling.scheduler import Scheduler, SchedulerConfig
 from polylane.policy.scheduling.stop_strings import StopStringMatcher
 from polylane.policy.speculation.control import SpeculationConfig
 from polylane.runtime.cpu_load import ComputeThreads
-from polylane.runtime.loading.digests import cached_digest
 from polylane.runtime.loading.load_thread import TransientWorker
 from polylane.runtime.loading.model_record import DEFAULT_KV_TOKENS, ModelRecord, resolve_record
 from polylane.runtime.residency.manager import ModelLease, ResidencyManager
@@ -301,7 +300,7 @@ class Engine:
             quiet=self.config.quiet,
         )
         self.manager.register(record)
-        self.runner.sharing.declare(name, cached_digest(record.file, dtype))  # peers may share its layers
+        self.runner.sharing.declare(name, record.digest)  # peers may share its layers
         self.speculation.register(record)
         self._models[name] = record
         self._inbox.put(("model", name))

@@ -2,7 +2,8 @@
 
 What this module owns: `ModelRecord` — a model's name, the source as given and the file it resolved
 to, the dtype it is served at, its config, tokenizer and sampling defaults read from that file, its
-estimated weight bytes, its KV reservation, pin and speculation — and `resolve_record`, which builds
+per-layer digests when an earlier load here saved them, its estimated weight bytes, its KV
+reservation, pin and speculation — and `resolve_record`, which builds
 one (fetching a catalogue model on first use). The engine keeps one per model, the residency manager
 loads from its `file` (never resolving the name again), speculation's setup and the server read it,
 and a model's quantised twin is the same record under another name and dtype (`twin`).
@@ -14,7 +15,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from polylane import catalog
+from polylane.policy.sharing.layer_share import ModelDigest
 from polylane.policy.speculation.control import SpeculationConfig
+from polylane.runtime.loading.digests import cached_digest
 from polylane.runtime.loading.loader import estimate_weight_bytes, read_config
 from polylane.runtime.model.model_config import ModelConfig
 from polylane.runtime.sampling.defaults import read_sampling_defaults
@@ -37,6 +40,9 @@ class ModelRecord:
     kv_tokens: int = DEFAULT_KV_TOKENS  # at most the context length
     pinned: bool = False
     weight_bytes: int = 0  # estimated from the file's header (0: unknown)
+    # saved by an earlier load of this file at this dtype (None: never loaded here; the first load
+    # computes them, `LoadedModel.digest`)
+    digest: ModelDigest | None = None
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # for fields a request leaves unset
     speculation: SpeculationConfig | None = None
 
@@ -54,9 +60,14 @@ class ModelRecord:
 
     def twin(self, name: str, dtype: str) -> ModelRecord:
         """The same file served under `name` at `dtype` (a quantised twin drafting for this one)."""
-        weight_bytes = header_bytes(self.file, dtype)
         return dataclasses.replace(
-            self, name=name, dtype=dtype, pinned=False, speculation=None, weight_bytes=weight_bytes
+            self,
+            name=name,
+            dtype=dtype,
+            pinned=False,
+            speculation=None,
+            weight_bytes=header_bytes(self.file, dtype),
+            digest=cached_digest(self.file, dtype),
         )
 
 
@@ -85,6 +96,7 @@ def resolve_record(
         kv_tokens=min(kv_tokens, config.max_context),
         pinned=pinned,
         weight_bytes=header_bytes(file, dtype),
+        digest=cached_digest(file, dtype),
         sampling=read_sampling_defaults(file.path, file.format),
         speculation=speculation,
     )
