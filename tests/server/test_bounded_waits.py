@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from polylane.runtime.residency.manager import ModelInfo
 from polylane.server.config import Limits
 from tests.server.conftest import SMOL, assert_error, start_server, total_finished, wait_until
 
@@ -24,11 +25,12 @@ def live():
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_request_that_waits_past_the_queue_bound_is_a_503_with_retry_after(live, stream):
-    def state() -> str:
-        return next(i.state for i in live.engine.manager.snapshot() if i.name == SMOL)
+    def info() -> ModelInfo:
+        return next(i for i in live.engine.manager.snapshot() if i.name == SMOL)
 
-    wait_until(lambda: state() != "loading", timeout=60, what="an earlier load to end")
-    if state() == "resident":
+    # an earlier case's load ends, and the engine gives its lease back (its request is gone)
+    wait_until(lambda: info().state != "loading" and info().in_flight == 0, timeout=60, what="the model idle")
+    if info().state == "resident":
         live.engine.manager.evict(SMOL)  # cold: the request waits for a load
     before = total_finished(live.state, "queue_timeout")
     with live.client() as http:
