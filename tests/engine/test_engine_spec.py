@@ -82,3 +82,29 @@ def test_engine_speculation_is_lossless_and_reported(load_real_model):
             assert handle.kv.tree.num_locks == 0
         # the twin's forwards ran inside the target's slot, counted apart (n-gram runs no model)
         assert stats.max_concurrent_drafters == (1 if pairs["twin:int4"].rounds else 0)
+
+
+def test_speculation_in_a_kv_pool_too_small_for_its_drafts_stays_lossless(load_real_model):
+    """Three requests whose prompts and outputs fill a 12-block pool: a decode step's lookahead for
+    the drafts often finds no room, so the scheduler drops it (or preempts, recompute) rather than
+    let a verify pass write outside the slots it reserved; every output is still plain greedy's."""
+    fetch_or_skip(SMOL)
+    model = load_real_model(SMOL, DTYPE)
+    messages = [*MESSAGES, "Count down from ten to one, separated by commas."]
+    prompts = [model.tokenizer.render_chat([{"role": "user", "content": m}]) for m in messages]
+    generator = Generator(model, num_blocks=64, block_size=16)
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    reference = [generator.generate([GenerationRequest(tuple(p), params)])[0].token_ids for p in prompts]
+    blocks = sum(-(-(len(p) + MAX_TOKENS) // 16) for p in prompts)
+
+    speculation = {"drafters": ["ngram"], "adaptive": False, "max_draft_tokens": 8}
+    with Engine(EngineConfig(budget_bytes=2 * 2**30, threads=torch.get_num_threads())) as engine:
+        engine.add_model(SMOL, dtype=DTYPE, kv_tokens=16 * blocks, speculation=speculation)
+        handles = [engine.submit(SMOL, p, params=params) for p in prompts]
+        results = [h.result(timeout=600) for h in handles]
+        for i, (result, want) in enumerate(zip(results, reference, strict=True)):
+            assert result.error is None, result.error
+            assert result.token_ids == want, f"request {i}: differs from plain greedy"
+        assert engine.stats().speculation[0].rounds > 0, "nothing speculated (vacuous)"
+        kv = engine.manager._pool.handle(SMOL).kv
+        assert _held_blocks(kv) == 0 and kv.tree.num_locks == 0
