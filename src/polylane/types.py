@@ -262,9 +262,6 @@ class StepPlan:
         if self.tables and {t.request_id for t in self.tables} != set(ids):
             raise ValueError("every request of the step needs one block table, and only those")
 
-    def table(self, request_id: int) -> BlockTable:
-        return next(t for t in self.tables if t.request_id == request_id)
-
     @property
     def is_idle(self) -> bool:
         return not (self.prefill or self.decode or self.close or self.acquire or self.release)

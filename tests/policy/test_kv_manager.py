@@ -7,7 +7,7 @@ least recently used first; `reserve` taking nothing within the table's room, fre
 cached prefixes, and returning None (the table unchanged) when the pool cannot hold it; `commit`
 advancing, freeing reserved blocks past `keep` (a verify pass's rollback) and truncating when given
 fewer tokens; `close` with token ids caching only the whole blocks written, without them caching
-nothing; `close_all`; the manager without a prefix cache. A stateful property test drives random
+nothing; the manager without a prefix cache. A stateful property test drives random
 admits, reservations, writes with commits, and closes over a simulated cache of token ids: every
 block is free or held (once per table holding it and once by the tree, never both free and held),
 every sequence reads back its own tokens (prefix hits and copies included), and every open
@@ -64,7 +64,7 @@ def test_admit_without_a_hit_reserves_the_whole_prompt_and_writes_nothing() -> N
     kv = KVManager(8, B)
     assert kv.admit(1, tokens(0, 10)) == []
     assert kv.holds(1) and len(kv.table(1)) == 3
-    assert kv.num_tokens(1) == kv.cached_tokens(1) == 0
+    assert kv.num_tokens(1) == 0
     assert kv.pool.num_free == 5
     with pytest.raises(ValueError, match="already admitted"):
         kv.admit(1, tokens(0, 4))
@@ -79,7 +79,7 @@ def test_admit_with_a_whole_block_hit_starts_at_the_hit_and_reserves_only_the_re
     first = completed(kv, 1, prompt)
     assert kv.tree.num_cached_blocks == 3 and kv.pool.num_free == 5
     assert kv.admit(2, [*prompt, 90, 91, 92, 93]) == []
-    assert kv.num_tokens(2) == kv.cached_tokens(2) == 12
+    assert kv.num_tokens(2) == 12
     assert kv.table(2)[:3] == first and len(kv.table(2)) == 4
     assert kv.pool.num_free == 4  # one new block
     assert kv.tree.num_evictable_blocks == 0  # the hit is locked while 2 holds it
@@ -95,7 +95,7 @@ def test_a_hit_never_covers_the_last_token_and_a_cached_block_used_in_part_is_co
     # The whole prompt is cached, but its last token's logits are needed: 11 tokens hit, 3 slots
     # of the third block, which is copied before the request writes slot 11.
     copies = kv.admit(2, prompt)
-    assert kv.num_tokens(2) == kv.cached_tokens(2) == 11
+    assert kv.num_tokens(2) == 11
     assert copies == [BlockCopy(cached[2], kv.table(2)[2])]
     assert kv.table(2)[:2] == cached[:2] and kv.table(2)[2] != cached[2]
     assert kv.pool.ref_count(cached[2]) == 1  # the tree's: the request let its reference go
@@ -103,7 +103,7 @@ def test_a_hit_never_covers_the_last_token_and_a_cached_block_used_in_part_is_co
     conserved(kv)
     # 10 tokens in common with the cached 12: 2 whole blocks and 2 slots of the third.
     copies = kv.admit(3, [*prompt[:10], 70, 71, 72])
-    assert kv.cached_tokens(3) == 10 and copies == [BlockCopy(cached[2], kv.table(3)[2])]
+    assert kv.num_tokens(3) == 10 and copies == [BlockCopy(cached[2], kv.table(3)[2])]
     assert len(kv.table(3)) == 4
     conserved(kv)
 
@@ -128,7 +128,7 @@ def test_a_refused_admission_changes_nothing_even_after_a_prefix_match() -> None
     assert kv.tree.num_evictable_blocks == 2  # the match it took was let go
     conserved(kv)
     assert kv.admit(2, [*prompt, *tokens(50, 12)]) == []  # without the headroom it fits
-    assert kv.cached_tokens(2) == 8
+    assert kv.num_tokens(2) == 8
 
 
 def test_num_available_counts_free_blocks_and_evictable_cached_ones() -> None:
@@ -299,14 +299,15 @@ def test_closing_a_hit_lets_its_lock_go_and_caches_what_it_added() -> None:
     conserved(kv)
 
 
-def test_close_all_lets_every_sequence_go_uncached() -> None:
+def test_closing_every_sequence_uncached_keeps_only_what_completed_requests_cached() -> None:
     kv = KVManager(10, B)
     prompt = tokens(0, 8)
     completed(kv, 1, prompt)
     kv.admit(2, [*prompt, 5])
     kv.admit(3, tokens(100, 6))
     kv.commit(3, 6)
-    kv.close_all()
+    kv.close(2)
+    kv.close(3)
     assert not kv.holds(2) and not kv.holds(3)
     assert kv.tree.num_locks == 0 and kv.tree.num_cached_blocks == 2
     assert kv.pool.num_free == 8
@@ -320,7 +321,7 @@ def test_without_a_prefix_cache_nothing_is_matched_or_cached() -> None:
     assert kv.admit(1, prompt) == []
     kv.commit(1, 12)
     kv.close(1, prompt)
-    assert kv.admit(2, prompt) == [] and kv.cached_tokens(2) == 0
+    assert kv.admit(2, prompt) == [] and kv.num_tokens(2) == 0
     assert kv.num_available == kv.pool.num_free == 5
     kv.commit(2, 12)
     assert kv.reserve(2, 21) is None  # 6 more blocks, 5 free
@@ -363,7 +364,7 @@ class KVManagerMachine(RuleBasedStateMachine):
             return
         self._copy(copies)
         self.tokens[seq], self.writable[seq] = list(prompt), len(prompt)
-        assert self.kv.num_tokens(seq) == self.kv.cached_tokens(seq) < len(prompt)
+        assert self.kv.num_tokens(seq) < len(prompt)
         assert len(self.kv.table(seq)) == self.kv.blocks_for(len(prompt))
 
     @precondition(lambda self: self.tokens)
@@ -433,7 +434,8 @@ class KVManagerMachine(RuleBasedStateMachine):
 
     @rule()
     def close_all(self) -> None:
-        self.kv.close_all()
+        for seq in list(self.tokens):
+            self.kv.close(seq)
         self.tokens.clear()
         self.writable.clear()
 

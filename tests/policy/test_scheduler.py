@@ -32,6 +32,18 @@ from polylane.types import BlockTable, PrefillWork, StepPlan, StepResult
 B = 4  # block size of the hand cases
 
 
+def table_of(plan: StepPlan, request_id: int) -> BlockTable:
+    return next(t for t in plan.tables if t.request_id == request_id)
+
+
+def all_written(plan: StepPlan) -> dict[int, int]:
+    """What the runner reports after doing the whole plan: every prefill chunk and one decode
+    token of KV written."""
+    computed = {w.request_id: table_of(plan, w.request_id).num_tokens + w.max_tokens for w in plan.prefill}
+    computed.update({r: table_of(plan, r).num_tokens + 1 for r in plan.decode})
+    return computed
+
+
 def make(*models: str, policy: str = "fcfs", **config: int) -> Scheduler:
     scheduler = Scheduler(SchedulerConfig(lane_policy=policy, **config))  # type: ignore[arg-type]
     for model in models:
@@ -56,7 +68,7 @@ def step(scheduler: Scheduler, finish: Iterable[int] = (), **result: object) -> 
     computed = dict(result.pop("computed", {}))  # type: ignore[call-overload]
     for request_id in plan.decode:
         if request_id in result.get("tokens", {}) and request_id not in computed:  # type: ignore[operator]
-            computed[request_id] = plan.table(request_id).num_tokens + 1
+            computed[request_id] = table_of(plan, request_id).num_tokens + 1
     scheduler.update(plan, StepResult(plan.step, computed=computed, **result))  # type: ignore[arg-type]
     for request_id in finish:
         scheduler.finish(request_id)
@@ -154,9 +166,9 @@ def test_a_request_life_acquire_chunked_prefill_decode_finish_release() -> None:
         (PrefillWork(1, "a", 4),),
     ]
     # Admission took the whole prompt's blocks at once; `cached` (no hit) only on that step.
-    blocks = plans[0].table(1).blocks
+    blocks = table_of(plans[0], 1).blocks
     assert plans[0].tables == (BlockTable(1, blocks, 0, (), 0),) and len(blocks) == 5
-    assert [p.table(1) for p in plans[1:]] == [BlockTable(1, blocks, 8), BlockTable(1, blocks, 16)]
+    assert [table_of(p, 1) for p in plans[1:]] == [BlockTable(1, blocks, 8), BlockTable(1, blocks, 16)]
     assert not any(p.decode for p in plans)
     assert scheduler.request_state(1) == "decode"
     assert scheduler.counters.prefill_tokens == 20
@@ -168,7 +180,7 @@ def test_a_request_life_acquire_chunked_prefill_decode_finish_release() -> None:
     plan = step(scheduler, computed={1: 21, 2: 7}, tokens={1: 43})
     assert (plan.decode_model, plan.decode) == ("a", (1,))
     assert plan.prefill == (PrefillWork(2, "a", 7),)
-    assert room(plan.table(1)) >= 1 and plan.table(2).cached == 0 and room(plan.table(2)) >= 7
+    assert room(table_of(plan, 1)) >= 1 and table_of(plan, 2).cached == 0 and room(table_of(plan, 2)) >= 7
     plan = step(scheduler, computed={1: 22, 2: 9}, tokens={1: 44, 2: 50})
     assert plan.decode == (1,) and plan.prefill == (PrefillWork(2, "a", 2),)
     plan = step(scheduler, computed={1: 23, 2: 10}, tokens={1: 45, 2: 51}, finish=[1])
@@ -197,7 +209,7 @@ def test_prefill_continues_from_the_reported_computed_count() -> None:
     assert plan.prefill == (PrefillWork(1, "a", 8),)
     plan = scheduler.schedule()
     assert plan.prefill == (PrefillWork(1, "a", 4),)
-    assert plan.table(1).num_tokens == kv.num_tokens(1) == 16 and room(plan.table(1)) == 4
+    assert table_of(plan, 1).num_tokens == kv.num_tokens(1) == 16 and room(table_of(plan, 1)) == 4
 
 
 def test_prefill_is_oldest_first_under_the_budget_for_several_models() -> None:
@@ -225,7 +237,7 @@ def test_decode_batches_every_decode_ready_request_of_the_lane_model_only() -> N
     to_decode(scheduler, 1, 2, 3, 4, prompt=4)
     plan = scheduler.schedule()
     assert plan.decode_model == "a" and plan.decode == (1, 3, 4)
-    assert all(room(plan.table(r)) >= 1 for r in plan.decode)
+    assert all(room(table_of(plan, r)) >= 1 for r in plan.decode)
     scheduler.update(
         plan,
         StepResult(plan.step, computed=dict.fromkeys(plan.decode, 5), tokens=dict.fromkeys(plan.decode, 9)),
@@ -514,12 +526,12 @@ def test_admission_takes_the_whole_prompt_so_a_chunked_prefill_never_runs_short(
     add(scheduler, 1, "a", 20)
     kv = lease(scheduler, "a", num_blocks=10)
     plan = step(scheduler, computed={1: 8})
-    assert len(plan.table(1).blocks) == 5 and kv.pool.num_free == 5
+    assert len(table_of(plan, 1).blocks) == 5 and kv.pool.num_free == 5
     add(scheduler, 2, "a", 16)
     for computed, tokens in ((16, {}), (20, {1: 1})):
         plan = scheduler.schedule()
         assert [w.request_id for w in plan.prefill] == [1]
-        assert room(plan.table(1)) >= plan.prefill[0].max_tokens
+        assert room(table_of(plan, 1)) >= plan.prefill[0].max_tokens
         assert scheduler.request_state(2) == "waiting" and kv.pool.num_free == 5
         scheduler.update(plan, StepResult(plan.step, computed={1: computed}, tokens=tokens))
     step(scheduler, tokens={1: 2}, finish=[1])
@@ -572,7 +584,7 @@ def test_a_prefix_cache_hit_starts_the_prefill_at_the_hit_with_fewer_new_blocks(
 
     scheduler.add(2, "a", [*prompt, 5, 6, 7, 8])  # 16 tokens, the first 12 cached
     plan = scheduler.schedule()
-    table = plan.table(2)
+    table = table_of(plan, 2)
     assert table.cached == table.num_tokens == 12 and table.copies == ()
     assert set(table.blocks[:3]) == cached_blocks and len(table.blocks) == 4
     assert plan.prefill == (PrefillWork(2, "a", 4),)  # 16 - 12
@@ -581,7 +593,7 @@ def test_a_prefix_cache_hit_starts_the_prefill_at_the_hit_with_fewer_new_blocks(
     assert scheduler.counters.prefill_tokens == 12 + 4  # request 1's prompt, then 2's 4
     assert kv.stats().matched_tokens == 12
     plan = scheduler.schedule()
-    assert plan.decode == (2,) and plan.table(2).cached is None
+    assert plan.decode == (2,) and table_of(plan, 2).cached is None
     conserved(kv, 2)
 
 
@@ -592,7 +604,7 @@ def test_a_prefix_hit_ending_inside_a_cached_block_copies_it_before_writing() ->
     # 10 tokens in common with 1's prompt: 2 whole blocks and 2 slots into its third block.
     scheduler.add(2, "a", [*prompt[:10], 55, 56])
     plan = scheduler.schedule()
-    table = plan.table(2)
+    table = table_of(plan, 2)
     assert table.cached == table.num_tokens == 10
     assert plan.prefill == (PrefillWork(2, "a", 2),)
     (copy,) = table.copies
@@ -603,7 +615,7 @@ def test_a_prefix_hit_ending_inside_a_cached_block_copies_it_before_writing() ->
     # The same prompt again: the hit is all of it but its last token (whose logits are needed).
     scheduler.add(3, "a", prompt)
     plan = scheduler.schedule()
-    assert plan.table(3).cached == 11 and len(plan.table(3).copies) == 1
+    assert table_of(plan, 3).cached == 11 and len(table_of(plan, 3).copies) == 1
     assert PrefillWork(3, "a", 1) in plan.prefill
     conserved(kv, 2, 3)
 
@@ -621,14 +633,13 @@ def test_a_request_admitted_without_a_chunk_gets_its_copies_and_hit_in_its_first
     plan = scheduler.schedule()
     assert plan.prefill == (PrefillWork(2, "a", 4),) and kv.holds(3)  # 3 admitted, no budget for it
     for _ in range(5):  # 2's prefill, then its decode leaves 3 of the budget
-        computed = {w.request_id: plan.table(w.request_id).num_tokens + w.max_tokens for w in plan.prefill}
-        computed.update({r: plan.table(r).num_tokens + 1 for r in plan.decode})
+        computed = all_written(plan)
         tokens = {r: 1 for r, n in computed.items() if r == 2 and n >= 12}
         scheduler.update(plan, StepResult(plan.step, computed=computed, tokens=tokens))
         plan = scheduler.schedule()
         if plan.prefill and plan.prefill[-1].request_id == 3:
             break
-    table = plan.table(3)  # its first plan
+    table = table_of(plan, 3)  # its first plan
     assert table.cached == table.num_tokens == 10
     assert [c.target for c in table.copies] == [table.blocks[2]]
 
@@ -667,11 +678,11 @@ def test_a_decode_that_cannot_fit_preempts_the_newest_request_which_recomputes_f
 
     # Back, in order: its prompt and the 5 tokens it generated, 9 in all, 4 of them cached.
     plan = scheduler.schedule()
-    assert plan.prefill == (PrefillWork(2, "a", 5),) and plan.table(2).cached == 4
+    assert plan.prefill == (PrefillWork(2, "a", 5),) and table_of(plan, 2).cached == 4
     scheduler.update(plan, StepResult(plan.step, computed={2: 9}, tokens={2: 3}))
     assert scheduler.request_state(2) == "decode"
     plan = step(scheduler, tokens={2: 3}, finish=[2])
-    assert plan.decode == (2,) and plan.table(2).num_tokens == 9
+    assert plan.decode == (2,) and table_of(plan, 2).num_tokens == 9
     assert scheduler.num_unfinished() == 0 and scheduler.counters.preemptions == 1
     conserved(kv)
 
@@ -699,8 +710,7 @@ def test_preemption_takes_a_prefilling_request_when_it_is_the_newest() -> None:
     for _ in range(20):  # 1 decodes a token a step, 2 prefills one beside it
         plan = scheduler.schedule()
         preempted = plan.preempted
-        computed = {w.request_id: plan.table(w.request_id).num_tokens + w.max_tokens for w in plan.prefill}
-        computed.update({r: plan.table(r).num_tokens + 1 for r in plan.decode})
+        computed = all_written(plan)
         scheduler.update(plan, StepResult(plan.step, computed=computed, tokens={1: 3}))
         if preempted:
             break
@@ -710,7 +720,7 @@ def test_preemption_takes_a_prefilling_request_when_it_is_the_newest() -> None:
     conserved(kv, 1)
     step(scheduler, tokens={1: 3}, finish=[1])
     plan = scheduler.schedule()
-    assert plan.prefill == (PrefillWork(2, "a", 2),) and plan.table(2).cached == 12
+    assert plan.prefill == (PrefillWork(2, "a", 2),) and table_of(plan, 2).cached == 12
 
 
 # ---------------------------------------------------------------------- lookahead
@@ -722,7 +732,7 @@ def test_lookahead_reserves_room_for_a_verify_pass_and_unused_blocks_go_back() -
     kv = lease(scheduler, "a", num_blocks=20, lookahead=6)
     to_decode(scheduler, 1, prompt=4)
     plan = scheduler.schedule()
-    table = plan.table(1)
+    table = table_of(plan, 1)
     assert table.num_tokens == 4 and room(table) >= 1 + 6 and len(table.blocks) == 3
     assert kv.pool.num_free == 17
     # The verify pass accepted 2 drafts: the last token and those 2 are written (7); the bonus
@@ -730,12 +740,12 @@ def test_lookahead_reserves_room_for_a_verify_pass_and_unused_blocks_go_back() -
     scheduler.update(plan, StepResult(plan.step, computed={1: 7}, tokens={1: 10}, extra_tokens={1: (11, 12)}))
     assert kv.table(1) == table.blocks[:2] and kv.num_tokens(1) == 7 and kv.pool.num_free == 18
     plan = scheduler.schedule()
-    assert plan.table(1).num_tokens == 7 and room(plan.table(1)) >= 7
+    assert table_of(plan, 1).num_tokens == 7 and room(table_of(plan, 1)) >= 7
     # Nothing accepted: one written, the rest rolled back again.
     scheduler.update(plan, StepResult(plan.step, computed={1: 8}, tokens={1: 13}))
     assert len(kv.table(1)) == 2 and kv.pool.num_free == 18
     scheduler.set_lookahead("a", 0)
-    assert room(scheduler.schedule().table(1)) >= 1 and kv.pool.num_free == 17  # 8 + 1: a third block
+    assert room(table_of(scheduler.schedule(), 1)) >= 1 and kv.pool.num_free == 17  # 8 + 1: a third block
 
 
 def test_a_short_pool_drops_the_lookahead_before_preempting_anyone() -> None:
@@ -743,8 +753,8 @@ def test_a_short_pool_drops_the_lookahead_before_preempting_anyone() -> None:
     scheduler.set_lookahead("a", 6)  # 7 slots from token 4: 2 more blocks each, 4 in all
     plan = scheduler.schedule()
     assert plan.preempted == () and plan.decode == (1, 2)
-    assert all(room(plan.table(r)) >= 1 for r in plan.decode)
-    assert min(room(plan.table(r)) for r in plan.decode) < 7
+    assert all(room(table_of(plan, r)) >= 1 for r in plan.decode)
+    assert min(room(table_of(plan, r)) for r in plan.decode) < 7
     conserved(kv, 1, 2)
     scheduler.update(plan, StepResult(plan.step, computed={1: 5, 2: 5}, tokens={1: 3, 2: 3}))
     assert scheduler.counters.preemptions == 0
@@ -771,8 +781,7 @@ def run_lanes(scheduler: Scheduler, steps: int) -> list[str | None]:
     for _ in range(steps):
         plan = scheduler.schedule()
         owners.append(plan.decode_model)
-        computed = {w.request_id: plan.table(w.request_id).num_tokens + w.max_tokens for w in plan.prefill}
-        computed.update({r: plan.table(r).num_tokens + 1 for r in plan.decode})
+        computed = all_written(plan)
         scheduler.update(plan, StepResult(plan.step, computed=computed, tokens=dict.fromkeys(computed, 1)))
     return owners
 
@@ -1026,7 +1035,7 @@ class FakeEngine:
             assert self._read(request, table) == request.tokens[: request.kv], (table, request)
         self.short_chunks = set()
         for w in plan.prefill:
-            request, table = self.requests[w.request_id], plan.table(w.request_id)
+            request, table = self.requests[w.request_id], table_of(plan, w.request_id)
             assert w.model == request.model
             left = len(request.tokens) - request.kv
             assert 1 <= w.max_tokens <= left, (w, left)
@@ -1034,14 +1043,14 @@ class FakeEngine:
             if w.max_tokens < left:
                 self.short_chunks.add(w.request_id)
         for request_id in plan.decode:
-            request, table = self.requests[request_id], plan.table(request_id)
+            request, table = self.requests[request_id], table_of(plan, request_id)
             assert request.model == plan.decode_model and request.generated >= 1
             assert request.kv == len(request.tokens) - 1  # prefilled
             assert self._room(table) >= 1, table
         if plan.decode_model is not None:
             self.monitor.enter(plan.decode_model)
         for w in plan.prefill:
-            request, table = self.requests[w.request_id], plan.table(w.request_id)
+            request, table = self.requests[w.request_id], table_of(plan, w.request_id)
             if not self._failed(request, table, result):
                 self._write(request, table, request.tokens[request.kv : request.kv + w.max_tokens])
                 request.kv += w.max_tokens
@@ -1050,7 +1059,7 @@ class FakeEngine:
                     request.tokens.append(next_token(request.tokens))
                     result.tokens[request.id] = request.tokens[-1]
         for request_id in plan.decode:
-            request, table = self.requests[request_id], plan.table(request_id)
+            request, table = self.requests[request_id], table_of(plan, request_id)
             if not self._failed(request, table, result):
                 self._decode(request, table, result)
         if plan.decode_model is not None:

@@ -34,8 +34,7 @@ from polylane.policy.kv.sequence_blocks import BlockCopy, SequenceBlocks
 @dataclass
 class _Held:
     blocks: SequenceBlocks
-    match: PrefixMatch | None
-    cached_tokens: int
+    match: PrefixMatch | None  # its lock on the prefix tree (None without a tree)
 
 
 class KVManager:
@@ -74,10 +73,6 @@ class KVManager:
         """Tokens of KV written for the sequence."""
         return self._held[seq_id].blocks.num_tokens
 
-    def cached_tokens(self, seq_id: int) -> int:
-        """Prompt tokens its prefix match served when it was admitted."""
-        return self._held[seq_id].cached_tokens
-
     def blocks_for(self, num_tokens: int) -> int:
         return self.pool.blocks_for(num_tokens)
 
@@ -91,19 +86,17 @@ class KVManager:
             raise ValueError(f"sequence {seq_id} is already admitted")
         if not token_ids:
             raise ValueError("a prompt needs at least one token")
-        # a hit ending inside a cached block copies it, and keeps it locked meanwhile: where that
-        # leaves too little room, the whole blocks of the hit alone may still fit
-        for partial in (True, False) if self.tree is not None else (False,):
-            match = self.tree.match(token_ids[:-1], partial=partial) if self.tree is not None else None
-            cached = match.num_tokens if match is not None else 0
-            held = _Held(SequenceBlocks(self.pool, match.blocks if match else (), cached), match, cached)
-            if self.num_available >= held.blocks.blocks_needed(len(token_ids) - cached) + headroom:
-                break
+        held = self._open(token_ids, partial=True)
+        if not self._fits(held, len(token_ids), headroom) and held.blocks.num_tokens % self.block_size:
+            # a hit ending inside a cached block copies it and keeps it locked meanwhile: where
+            # that leaves too little room, the whole blocks of the hit alone may still fit
             self._let_go(held)
-        else:
+            held = self._open(token_ids, partial=False)
+        if not self._fits(held, len(token_ids), headroom):
+            self._let_go(held)
             return None
         self._held[seq_id] = held
-        copies = self.reserve(seq_id, len(token_ids) - cached)
+        copies = self.reserve(seq_id, len(token_ids) - held.blocks.num_tokens)
         if copies is None:  # evictable blocks still held by a running sequence: not free after all
             self._let_go(self._held.pop(seq_id))
         return copies
@@ -113,9 +106,6 @@ class KVManager:
         evicting cached prefixes if the pool is short; the copies to make first, or None when the
         pool cannot hold them (nothing changed)."""
         blocks = self._held[seq_id].blocks
-        capacity = len(blocks.table) * self.block_size - blocks.num_tokens
-        if num_new <= capacity and not blocks.blocks_needed(num_new):
-            return []
         needed = blocks.blocks_needed(num_new)
         if needed > self.num_available:
             return None  # no eviction for a reservation that cannot fit anyway
@@ -146,9 +136,14 @@ class KVManager:
             self.tree.insert(token_ids[:written], held.blocks.table[: self.pool.blocks_for(written)])
         self._let_go(held)
 
-    def close_all(self) -> None:
-        for seq_id in list(self._held):
-            self.close(seq_id)
+    def _open(self, token_ids: Sequence[int], *, partial: bool) -> _Held:
+        if self.tree is None:
+            return _Held(SequenceBlocks(self.pool), None)
+        match = self.tree.match(token_ids[:-1], partial=partial)
+        return _Held(SequenceBlocks(self.pool, match.blocks, match.num_tokens), match)
+
+    def _fits(self, held: _Held, num_tokens: int, headroom: int) -> bool:
+        return self.num_available >= held.blocks.blocks_needed(num_tokens - held.blocks.num_tokens) + headroom
 
     def _let_go(self, held: _Held) -> None:
         if held.match is not None and self.tree is not None:

@@ -93,12 +93,6 @@ class PlannedBlocks:
         self.truncate(base + len(path))
         return Compaction([], moves)
 
-    def fork(self) -> SequenceBlocks:
-        raise ValueError("a served request's sequence cannot be forked")
-
-    def release(self) -> None:
-        pass  # the scheduler's KVManager holds the blocks
-
 
 @dataclass(eq=False)
 class KVSequence:
@@ -175,20 +169,19 @@ class ModelKV:
     def fork(self, sequence: KVSequence) -> KVSequence:
         """A new sequence sharing all of `sequence`'s KV; either may then diverge."""
         self._check_usable(sequence)
-        return KVSequence(sequence.blocks.fork(), list(sequence.token_ids))
+        return KVSequence(self._scratch(sequence).fork(), list(sequence.token_ids))
 
     def close(self, sequence: KVSequence, *, cache: bool = True) -> None:
         """End a sequence: with `cache`, its KV enters the prefix tree (completed requests only;
         an aborted or failed one closes with cache=False); its blocks and prefix lock are let go."""
         if sequence.closed:
             raise ValueError("sequence already closed")
-        if isinstance(sequence.blocks, PlannedBlocks):
-            raise ValueError("a served request's KV is let go by the scheduler's KVManager")
+        blocks = self._scratch(sequence)
         if cache and self.tree is not None and sequence.pending is None:
-            self.tree.insert(sequence.token_ids, sequence.blocks.table)
+            self.tree.insert(sequence.token_ids, blocks.table)
         if sequence.match is not None:
             self.tree.release(sequence.match)
-        sequence.blocks.release()
+        blocks.release()
         sequence.closed = True
 
     # ------------------------------------------------------------------ forward
@@ -310,6 +303,13 @@ class ModelKV:
         for extend in extends:
             copies.extend(extend.sequence.blocks.prepare_write(len(extend.token_ids)))
         self.cache.copy_blocks(copies)
+
+    @staticmethod
+    def _scratch(sequence: KVSequence) -> SequenceBlocks:
+        """The blocks of a runtime scratch sequence; a served request's are the scheduler's."""
+        if isinstance(sequence.blocks, PlannedBlocks):
+            raise ValueError("a served request's KV belongs to the scheduler's KVManager")
+        return sequence.blocks
 
     @staticmethod
     def _check_usable(sequence: KVSequence) -> None:

@@ -7,10 +7,10 @@ cache reservation), not guessed. Evicting drops every reference the manager hold
 goes back (and asks the C allocator to return freed pages to the OS).
 
 Thread-safe: one lock guards the pool; a load runs outside it (other models keep serving), and
-threads wanting a model that is loading wait for that load. A load that fails (missing, corrupt
-or truncated file, or a model that does not fit) fails only its own admission, with a clear error:
-before anything is evicted the file's header is read and its weight bytes estimated (the KV
-reservation is added once the loaded model is measured), and a failure after that returns the
+threads wanting a model that is loading wait for that load. A model's bytes (weights and KV
+reservation) are estimated from its file's header once, when it is registered, so one that does
+not fit is refused before anything is evicted; a load that fails (a file unreadable past its
+header, or gone since) fails only its own admission, with a clear error, and returns the
 reservation. All models run on one device (`device`, CPU or CUDA): on CPU the host tier is the
 device; on CUDA the budget counts device memory, and an evicted model is dropped, not paged out to
 the host (its next use loads it again).
@@ -152,6 +152,7 @@ class ResidencyManager:
         _set_mmap_threshold(RUN_MMAP_THRESHOLD)
         self._pool = ResidencyPool(budget_bytes, eviction=eviction)
         self._records: dict[str, ModelRecord] = {}
+        self._estimates: dict[str, int] = {}  # bytes each will hold once loaded, from its header
         self._load_seconds = 0.0
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -159,21 +160,21 @@ class ResidencyManager:
     # ------------------------------------------------------------------ registry
 
     def register(self, record: ModelRecord) -> None:
-        """Declare a model (cold), sized from its file's header (`runtime.loading.model_record`:
-        resolved once, when it was registered; loads read `record.file`)."""
+        """Declare a model (cold), sized once from its file's header: weights and KV reservation, so
+        that it is admitted, and others evicted for it, by what it takes (`runtime.loading.
+        model_record`: resolved once; loads read `record.file`). An unreadable header raises
+        ModelLoadError here."""
         if record.dtype not in (*QUANTISED_FORMATS, *IN_PLACE_ACTIVATION_BITS):
             parse_dtype(record.dtype)
         if record.kv_tokens < self.block_size:
             raise ResidencyError(
                 f"model {record.name!r}: kv_tokens must be >= {self.block_size}, got {record.kv_tokens}"
             )
-        try:
-            estimate = self._holding(record)
-        except Exception:  # unreadable past the header: the load reports it properly
-            estimate = 0
+        estimate = self._estimate(record)
         with self._lock:
             self._pool.register(record.name, estimate, record.pinned)
             self._records[record.name] = record
+            self._estimates[record.name] = estimate
 
     @property
     def names(self) -> list[str]:
@@ -188,20 +189,14 @@ class ResidencyManager:
         A request that finds the model loading waits for that load; if it fails, the request tries
         the load itself, so it reports its own error (no room, a broken file) rather than another's.
         """
-        while True:
-            with self._lock:
-                while self._pool.state(name).state == LOADING:
-                    self._changed.wait()
-                if self._pool.state(name).state == "resident":
-                    self._pool.begin_load(name)  # a hit: refreshes recency
-                    return ModelLease(self, name, self._pool.acquire(name))  # type: ignore[arg-type]
-                record = self._records[name]
-            estimate = self._estimate(record)  # header read outside the lock; raises before any eviction
-            with self._lock:
-                if self._pool.state(name).state == "cold":
-                    self._drop(self._pool.begin_load(name, estimate))
-                    break
-            # another thread started loading it meanwhile: wait for that load
+        with self._lock:
+            while self._pool.state(name).state == LOADING:
+                self._changed.wait()
+            if self._pool.state(name).state == "resident":
+                self._pool.begin_load(name)  # a hit: refreshes recency
+                return ModelLease(self, name, self._pool.acquire(name))  # type: ignore[arg-type]
+            record = self._records[name]
+            self._drop(self._pool.begin_load(name, self._estimates[name]))  # cold: admit it
         return self._load_and_lease(name, record)
 
     def try_acquire(self, name: str) -> ModelLease | None:
@@ -309,8 +304,6 @@ class ResidencyManager:
     # ------------------------------------------------------------------ internals
 
     def _estimate(self, record: ModelRecord) -> int:
-        """What the model will hold once loaded, from its header: weights and KV reservation (so a
-        model is admitted, and others evicted for it, by what it takes: no load found too large)."""
         try:
             return self._holding(record)
         except (LoadError, OSError) as error:
