@@ -147,8 +147,10 @@ static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *scale, uint8_t
     }
 }
 
-/* Elements per block and bytes per block of a type; 0 for a type without a kernel. */
-int64_t polylane_blocks_geometry(int64_t type, int64_t *block_bytes) {
+/* Elements per block and bytes per block of a type; 0 for a type without a kernel. Inlined where
+   the kernels ask (per tile, and per span with a constant type in the per-format loops); the
+   exported function below goes through the PLT, a call each time. */
+static inline int64_t block_geometry(int64_t type, int64_t *block_bytes) {
     switch (type) {
     case GGML_F32: *block_bytes = 4; return 1;
     case GGML_F16: *block_bytes = 2; return 1;
@@ -165,9 +167,11 @@ int64_t polylane_blocks_geometry(int64_t type, int64_t *block_bytes) {
     }
 }
 
-static int64_t block_row_bytes(int64_t type, int64_t k) {
+int64_t polylane_blocks_geometry(int64_t type, int64_t *block_bytes) { return block_geometry(type, block_bytes); }
+
+static inline int64_t block_row_bytes(int64_t type, int64_t k) {
     int64_t block_bytes;
-    int64_t elements = polylane_blocks_geometry(type, &block_bytes);
+    int64_t elements = block_geometry(type, &block_bytes);
     return elements ? k / elements * block_bytes : 0;
 }
 
@@ -479,7 +483,7 @@ int polylane_blocks_check(const BlockMatrix *w) {
     if (w->in_features % 32) return -1;
     for (int64_t s = 0; s < w->num_segments; s++) {
         int64_t block_bytes;
-        const int64_t elements = polylane_blocks_geometry(w->segments[s].type, &block_bytes);
+        const int64_t elements = block_geometry(w->segments[s].type, &block_bytes);
         if (elements == 0 || w->in_features % elements) return (int)s + 1;
         rows += w->segments[s].rows;
     }

@@ -463,6 +463,39 @@ static void code_activation_span(const float *restrict x, int64_t k, CodedActiva
             a.scale[g] = a.group_sum[g] = 0.0f;
             continue;
         }
+#if defined(Q8_VNNI)
+        /* the C below in one vector (a group is 16 lanes): the same floats, the rounding to nearest
+           even as nearbyintf's, the integer sum exact */
+        const __m512 values = _mm512_loadu_ps(x + GROUP * g);
+        const float amax = _mm512_reduce_max_ps(_mm512_abs_ps(values));
+        const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m512i q = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(values, _mm512_set1_ps(inverse)),
+                                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        _mm_storeu_si128((__m128i *)(a.q + GROUP * g), _mm512_cvtepi32_epi8(q));
+        a.scale[g] = scale;
+        a.group_sum[g] = scale * (float)_mm512_reduce_add_epi32(q);
+#elif defined(Q8_AVX2)
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        const __m256 low = _mm256_loadu_ps(x + GROUP * g), high = _mm256_loadu_ps(x + GROUP * g + 8);
+        __m256 top = _mm256_max_ps(_mm256_andnot_ps(sign, low), _mm256_andnot_ps(sign, high));
+        __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(top4, _mm_movehdup_ps(top4)));
+        const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const __m256 factor = _mm256_set1_ps(inverse);
+        const int rounding = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        const __m256i q_low = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(low, factor), rounding));
+        const __m256i q_high = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(high, factor), rounding));
+        const __m256i words = _mm256_packs_epi32(q_low, q_high); /* (per 128-bit half: low 4, high 4) */
+        const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+        _mm_storeu_si128((__m128i *)(a.q + GROUP * g), _mm_shuffle_epi32(bytes, _MM_SHUFFLE(3, 1, 2, 0)));
+        __m256i total8 = _mm256_add_epi32(q_low, q_high);
+        __m128i total4 = _mm_add_epi32(_mm256_castsi256_si128(total8), _mm256_extracti128_si256(total8, 1));
+        total4 = _mm_add_epi32(total4, _mm_shuffle_epi32(total4, _MM_SHUFFLE(1, 0, 3, 2)));
+        total4 = _mm_add_epi32(total4, _mm_shuffle_epi32(total4, _MM_SHUFFLE(2, 3, 0, 1)));
+        a.scale[g] = scale;
+        a.group_sum[g] = scale * (float)_mm_cvtsi128_si32(total4);
+#else
         float amax = 0.0f;
         for (int j = 0; j < GROUP; j++) {
             const float magnitude = fabsf(x[GROUP * g + j]);
@@ -477,6 +510,7 @@ static void code_activation_span(const float *restrict x, int64_t k, CodedActiva
             sum += q;
         }
         a.group_sum[g] = scale * (float)sum;
+#endif
     }
 #if defined(Q8_VNNI)
     if (a.k4) k4_order_span(a, span);
