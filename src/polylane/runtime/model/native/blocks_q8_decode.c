@@ -38,6 +38,12 @@ static int64_t small_block_bytes(int64_t type) {
 /* Where a Q4_0, Q4_1 or Q5_0 block's 16 nibble bytes start (after d, then m or the fifth bits). */
 static inline int nibble_offset(int64_t type) { return type == GGML_Q4_1 ? 4 : type == GGML_Q5_0 ? 6 : 2; }
 
+static inline int32_t word_bits(const uint8_t *p) {
+    int32_t w;
+    memcpy(&w, p, 4);
+    return w;
+}
+
 static inline uint16_t half_bits(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
@@ -50,6 +56,13 @@ static inline __m256 small_block_halves(const uint8_t *row, int64_t bytes, int c
 #define HALF(j) ((j) < count ? half_bits(row + (j) * bytes + offset) : 0)
     return _mm256_cvtph_ps(_mm_setr_epi16(HALF(0), HALF(1), HALF(2), HALF(3), HALF(4), HALF(5), HALF(6), HALF(7)));
 #undef HALF
+}
+
+/* The first 32-bit words of `count` (<= 8) consecutive blocks of `bytes`, zero past them. */
+static inline __m256i small_block_words(const uint8_t *row, int64_t bytes, int count) {
+#define WORD(j) ((j) < count ? word_bits(row + (j) * bytes) : 0)
+    return _mm256_setr_epi32(WORD(0), WORD(1), WORD(2), WORD(3), WORD(4), WORD(5), WORD(6), WORD(7));
+#undef WORD
 }
 
 /* The blocks' d (from `row`, `count` of them) and their m, as simd_code_row makes them: one float
@@ -143,10 +156,9 @@ static inline __attribute__((always_inline)) void span_codes(int64_t type, const
             }
             codes[p] = piece;
         }
-        /* each block's first 32-bit word: d in its low half (Q4_1: m in its high half) */
-        const __m256i words = _mm256_mmask_i32gather_epi32(_mm256_setzero_si256(), (__mmask8)((1u << count) - 1),
-                                                           _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)bytes)),
-                                                           (const int *)block, 1);
+        /* each block's first 32-bit word: d in its low half (Q4_1: m in its high half), by scalar
+           loads (a vpgatherdd took more time than all the span's other unpacking) */
+        const __m256i words = small_block_words(block, bytes, count);
         const __m256 d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(words));
         const __m256 m = type == GGML_Q4_1 ? _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(words, 16)))
                                            : small_block_offsets(type, block, count, d);
