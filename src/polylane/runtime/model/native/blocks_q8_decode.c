@@ -505,7 +505,7 @@ static inline __attribute__((always_inline)) void decode_row_rows(int64_t type, 
                                                                   const CodedActivations *x, int64_t stride, int count, DECODE_LANES *lanes) {
     const int64_t span_bytes = block_row_bytes(type, SPAN);
     DECODE_LANES held[DECODE_ROWS];
-    for (int j = 0; j < count; j++) held[j] = lanes[j];
+    for (int j = 0; j < count; j++) held[j] = c0 == 0 ? (DECODE_LANES){0} : lanes[j]; /* (the row's first columns: from zero) */
     for (int64_t c = c0; c < c1; c += SPAN) {
         if (c + SPANS_AHEAD * SPAN < k) {
             const char *ahead = (const char *)row + block_row_bytes(type, c + SPANS_AHEAD * SPAN);
@@ -539,10 +539,8 @@ static inline __attribute__((always_inline)) void decode_row_rows_of(int64_t typ
 #define DECODE_CHUNK 1024
 static void decode_tile_rows(const int64_t *types, const uint8_t *const *rows, int64_t count, int64_t k,
                              const CodedActivations *x, int64_t stride, int64_t activation_rows, float *y, int64_t ldy) {
-    DECODE_LANES lanes[TILE_ROWS][DECODE_ROWS];
+    DECODE_LANES lanes[TILE_ROWS][DECODE_ROWS]; /* (set by the first chunk: zeroing them in memory cost 2 KB of stores a tile) */
     const int n = (int)activation_rows;
-    for (int64_t r = 0; r < count; r++)
-        for (int j = 0; j < n; j++) lanes[r][j] = (DECODE_LANES){0};
     for (int64_t c0 = 0; c0 < k; c0 += DECODE_CHUNK) {
         const int64_t c1 = c0 + DECODE_CHUNK < k ? c0 + DECODE_CHUNK : k;
         for (int64_t r = 0; r < count; r++) {
