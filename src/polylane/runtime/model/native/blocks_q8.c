@@ -797,7 +797,11 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
     const int64_t m_ld = whole_spans(k) / GROUP; /* a row's offsets, zero past its groups */
     const size_t m_bytes = ((size_t)TILE_ROWS * m_ld * sizeof(float) + 63) & ~(size_t)63;
     const size_t thread_bytes = codes_bytes + d_bytes + m_bytes + (size_t)x_block * sizeof(TileSums);
-    const size_t activation_total = x_bytes * (size_t)x_block;
+    /* A decode step's or a small batch's rows: each thread codes them all into its own copy, so the
+       products need not wait at a barrier for the threads to share the coding (a few spans a row:
+       less time than the threads' skew at a barrier). */
+    const int own_copy = rows <= DECODE_ROWS;
+    const size_t activation_total = x_bytes * (size_t)x_block * (size_t)(own_copy ? threads : 1);
     uint8_t *activations = calling_thread_scratch(activation_total + ((thread_bytes + 63) & ~(size_t)63) * (size_t)threads);
     if (activations == NULL) return 1;
     uint8_t *scratch_all = activations + activation_total;
@@ -807,15 +811,23 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
         uint8_t *codes = scratch;
         float *d = (float *)(scratch + codes_bytes), *m = (float *)(scratch + codes_bytes + d_bytes);
         TileSums *sums = (TileSums *)(scratch + codes_bytes + d_bytes + m_bytes);
+        uint8_t *coded = own_copy ? activations + x_bytes * (size_t)x_block * (size_t)omp_get_thread_num() : activations;
         for (int64_t m0 = 0; m0 < rows; m0 += x_block) {
             const int64_t m1 = m0 + x_block < rows ? m0 + x_block : rows;
             const int64_t row_spans = whole_spans(k) / SPAN; /* spans, so that one row is shared by the threads */
+            if (own_copy) {
+                for (int64_t item = 0; item < (m1 - m0) * row_spans; item++) {
+                    const int64_t row = m0 + item / row_spans;
+                    code_activation_span(x + row * k, k, activation_layout(coded + (size_t)(row - m0) * x_bytes, k, one_row), item % row_spans);
+                }
+            } else {
 #pragma omp for schedule(static)
-            for (int64_t item = 0; item < (m1 - m0) * row_spans; item++) {
-                const int64_t row = m0 + item / row_spans;
-                code_activation_span(x + row * k, k, activation_layout(activations + (size_t)(row - m0) * x_bytes, k, one_row), item % row_spans);
+                for (int64_t item = 0; item < (m1 - m0) * row_spans; item++) {
+                    const int64_t row = m0 + item / row_spans;
+                    code_activation_span(x + row * k, k, activation_layout(coded + (size_t)(row - m0) * x_bytes, k, one_row), item % row_spans);
+                }
             }
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait /* (the barrier below where the next rows' coding could overwrite these) */
             for (int64_t tile = 0; tile < tiles; tile++) {
                 const int64_t n0 = tile * TILE_ROWS;
                 const int64_t count = n0 + TILE_ROWS <= n_total ? TILE_ROWS : n_total - n0;
@@ -824,7 +836,7 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
                 for (int64_t r = 0; r < TILE_ROWS; r++) /* a short last tile repeats its first row */
                     sources[r] = source_row(w, n0 + (r < count ? r : 0), &types[r]);
                 if (rows == 1 && decodes_tile(types, count)) { /* the same numbers, without the codes' round trip */
-                    const CodedActivations a = activation_layout(activations, k, one_row);
+                    const CodedActivations a = activation_layout(coded, k, one_row);
                     float totals[TILE_ROWS];
                     decode_tile(types, sources, count, k, &a, totals);
                     for (int64_t r = 0; r < count; r++) y[n0 + r] = w->bias ? totals[r] + w->bias[n0 + r] : totals[r];
@@ -833,7 +845,7 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
                 if (rows < DECODE_ROWS_BELOW && decodes_tile(types, count)) {
                     for (int64_t j0 = m0; j0 < m1; j0 += DECODE_ROWS) {
                         const int64_t n = m1 - j0 < DECODE_ROWS ? m1 - j0 : DECODE_ROWS;
-                        const CodedActivations a = activation_layout(activations + (size_t)(j0 - m0) * x_bytes, k, 0);
+                        const CodedActivations a = activation_layout(coded + (size_t)(j0 - m0) * x_bytes, k, 0);
                         decode_tile_rows(types, sources, count, k, &a, (int64_t)x_bytes, n, y + j0 * n_total + n0, n_total);
                     }
                     if (w->bias)
@@ -853,10 +865,10 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
                     }
                     const int64_t span_len = whole_spans(len);
                     for (int64_t row = m0; row < m1; row++) {
-                        const CodedActivations a = activation_layout(activations + (size_t)(row - m0) * x_bytes, k, 0);
+                        const CodedActivations a = activation_layout(coded + (size_t)(row - m0) * x_bytes, k, 0);
 #if defined(Q8_VNNI)
                         if (row + 1 < m1) {
-                            const CodedActivations next = activation_layout(activations + (size_t)(row + 1 - m0) * x_bytes, k, 0);
+                            const CodedActivations next = activation_layout(coded + (size_t)(row + 1 - m0) * x_bytes, k, 0);
                             coded_tile_step_pair(&a, &next, c0, span_len, chunk, codes, d, m, m_ld, &sums[row - m0], &sums[row + 1 - m0]);
                             row++;
                             continue;
@@ -871,6 +883,9 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
                         y[row * n_total + n0 + r] = w->bias ? total + w->bias[n0 + r] : total;
                     }
                 }
+            }
+            if (!own_copy) {
+#pragma omp barrier
             }
         }
     }
