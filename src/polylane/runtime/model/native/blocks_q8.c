@@ -337,12 +337,18 @@ static inline __m512i group_sums(__m512i v[4]) {
 /* the group in lane n: 4(n % 4) + n / 4 */
 #define LANE_GROUPS _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)
 
-static void span_to_lanes(uint8_t *bytes, float *scales) {
-    __m512i v[4];
-    for (int s = 0; s < 4; s++) v[s] = _mm512_loadu_si512(bytes + 64 * s);
+/* A span's four natural-order steps `v` (in registers) stored at `bytes` in lane layout, and its
+   group scales permuted alike in place. */
+static inline void steps_to_lanes(__m512i v[4], uint8_t *bytes, float *scales) {
     transpose_words(v);
     for (int s = 0; s < 4; s++) _mm512_storeu_si512(bytes + 64 * s, v[s]);
     _mm512_storeu_ps(scales, _mm512_permutexvar_ps(LANE_GROUPS, _mm512_loadu_ps(scales)));
+}
+
+static void span_to_lanes(uint8_t *bytes, float *scales) {
+    __m512i v[4];
+    for (int s = 0; s < 4; s++) v[s] = _mm512_loadu_si512(bytes + 64 * s);
+    steps_to_lanes(v, bytes, scales);
 }
 #elif defined(Q8_AVX2)
 static inline void transpose_words(__m256i v[4]) {
@@ -362,12 +368,16 @@ static inline __m256i group_sums(__m256i v[4]) {
 /* the group in lane n: 2(n % 4) + n / 4 */
 #define LANE_GROUPS _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)
 
-static void span_to_lanes(uint8_t *bytes, float *scales) {
-    __m256i v[4];
-    for (int s = 0; s < 4; s++) v[s] = _mm256_loadu_si256((const __m256i *)(bytes + 32 * s));
+static inline void steps_to_lanes(__m256i v[4], uint8_t *bytes, float *scales) {
     transpose_words(v);
     for (int s = 0; s < 4; s++) _mm256_storeu_si256((__m256i *)(bytes + 32 * s), v[s]);
     _mm256_storeu_ps(scales, _mm256_permutevar8x32_ps(_mm256_loadu_ps(scales), LANE_GROUPS));
+}
+
+static void span_to_lanes(uint8_t *bytes, float *scales) {
+    __m256i v[4];
+    for (int s = 0; s < 4; s++) v[s] = _mm256_loadu_si256((const __m256i *)(bytes + 32 * s));
+    steps_to_lanes(v, bytes, scales);
 }
 #else
 static void span_to_lanes(uint8_t *bytes, float *scales) { (void)bytes, (void)scales; }
@@ -513,10 +523,7 @@ static void code_activation_span(const float *restrict x, int64_t k, CodedActiva
         _mm512_storeu_si512(a.q + SPAN * span + 64 * s, steps[s]);
     }
     if (a.k4) k4_order_span(a, span);
-    transpose_words(steps);
-    for (int s = 0; s < 4; s++) _mm512_storeu_si512(a.lanes + SPAN * span + 64 * s, steps[s]);
-    float *scales = a.scale + g0;
-    _mm512_storeu_ps(scales, _mm512_permutexvar_ps(LANE_GROUPS, _mm512_loadu_ps(scales)));
+    steps_to_lanes(steps, (uint8_t *)a.lanes + SPAN * span, a.scale + g0);
 #elif defined(Q8_AVX2)
     __m256i steps[4];
     for (int s = 0; s < 4; s++) {
@@ -524,10 +531,7 @@ static void code_activation_span(const float *restrict x, int64_t k, CodedActiva
         steps[s] = _mm256_set_m128i(b1, b0);
         _mm256_storeu_si256((__m256i *)(a.q + SPAN * span + 32 * s), steps[s]);
     }
-    transpose_words(steps);
-    for (int s = 0; s < 4; s++) _mm256_storeu_si256((__m256i *)(a.lanes + SPAN * span + 32 * s), steps[s]);
-    float *scales = a.scale + g0;
-    _mm256_storeu_ps(scales, _mm256_permutevar8x32_ps(_mm256_loadu_ps(scales), LANE_GROUPS));
+    steps_to_lanes(steps, (uint8_t *)a.lanes + SPAN * span, a.scale + g0);
 #else
     for (int64_t g = g0; g < g0 + SPAN_GROUPS; g++) {
         if (g >= k / GROUP) {
@@ -814,18 +818,16 @@ static int coded_matmul(const BlockMatrix *w, const float *x, int64_t rows, floa
         uint8_t *coded = own_copy ? activations + x_bytes * (size_t)x_block * (size_t)omp_get_thread_num() : activations;
         for (int64_t m0 = 0; m0 < rows; m0 += x_block) {
             const int64_t m1 = m0 + x_block < rows ? m0 + x_block : rows;
-            const int64_t row_spans = whole_spans(k) / SPAN; /* spans, so that one row is shared by the threads */
-            if (own_copy) {
-                for (int64_t item = 0; item < (m1 - m0) * row_spans; item++) {
-                    const int64_t row = m0 + item / row_spans;
-                    code_activation_span(x + row * k, k, activation_layout(coded + (size_t)(row - m0) * x_bytes, k, one_row), item % row_spans);
-                }
-            } else {
-#pragma omp for schedule(static)
-                for (int64_t item = 0; item < (m1 - m0) * row_spans; item++) {
-                    const int64_t row = m0 + item / row_spans;
-                    code_activation_span(x + row * k, k, activation_layout(coded + (size_t)(row - m0) * x_bytes, k, one_row), item % row_spans);
-                }
+            /* spans, so that one row is shared by the threads: each its share, or all into its own copy */
+            const int64_t row_spans = whole_spans(k) / SPAN, items = (m1 - m0) * row_spans;
+            const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
+            const int64_t first = own_copy ? 0 : items * t / team, last = own_copy ? items : items * (t + 1) / team;
+            for (int64_t item = first; item < last; item++) {
+                const int64_t row = m0 + item / row_spans;
+                code_activation_span(x + row * k, k, activation_layout(coded + (size_t)(row - m0) * x_bytes, k, one_row), item % row_spans);
+            }
+            if (!own_copy) {
+#pragma omp barrier
             }
 #pragma omp for schedule(static) nowait /* (the barrier below where the next rows' coding could overwrite these) */
             for (int64_t tile = 0; tile < tiles; tile++) {
