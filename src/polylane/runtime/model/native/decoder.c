@@ -1271,7 +1271,7 @@ int polylane_forward(const Model *model, const Step *step, float *logits) {
     float *hidden = malloc(sizeof(float) * (size_t)(t * e));
     Scratch scratch;
     const int scratch_status = scratch_alloc(&scratch, rows, widest);
-    float *scores = malloc(sizeof(float) * (size_t)(step->threads * (model->heads / model->kv_heads) * step->context_len));
+    float *scores = malloc(sizeof(float) * (size_t)(step->threads * model->heads * step->context_len));
     Runs runs = {0};
     const int runs_status = find_runs(model, step, &runs);
     int status = 0;

@@ -89,10 +89,167 @@ static inline __attribute__((always_inline)) void value_sums(const float *weight
             _mm512_storeu_ps(o + h * head_stride + 16 * v, _mm512_mul_ps(acc[h][v], _mm512_set1_ps(inverse[h])));
 }
 
+/* value_sums over keys [begin, end) only: acc[h] += Σ_c weights[h][c] · V[c] for `count` (<= 4)
+ * query heads of one KV group at once, each value row (`vectors` (<= 8) × 16 dims at `values` +
+ * slot · `row_bytes`) read once; a key all the heads weigh 0 (unseen) is skipped. The running sums start from zero where
+ * `begin` is 0 and are kept in `acc` (head h's at acc + h · `head_stride`) between ranges: each
+ * head's sum runs over c in order, whatever the ranges. Reads ahead `ahead_bytes` of the value
+ * rows (from `ahead`, the row's first byte this call wants in cache) 8 keys on. */
+static inline __attribute__((always_inline)) void range_value_sums(const float *weights, int64_t begin, int64_t end,
+                                                                   int64_t context, const int64_t *slots,
+                                                                   const char *values, int64_t row_bytes,
+                                                                   const int64_t count, const int64_t vectors,
+                                                                   const int bf16, const char *ahead,
+                                                                   int64_t ahead_bytes, float *acc_mem,
+                                                                   const int64_t head_stride) {
+    __m512 acc[4][8];
+    for (int64_t h = 0; h < count; h++)
+        for (int64_t v = 0; v < vectors; v++)
+            acc[h][v] = begin == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_mem + h * head_stride + 16 * v);
+    for (int64_t c = begin; c < end; c++) {
+        int any = 0;
+        for (int64_t h = 0; h < count; h++) any |= weights[h * context + c] != 0.0f;
+        if (c + 8 < context)
+            for (int64_t b = 0; b < ahead_bytes; b += 64) _mm_prefetch(ahead + slots[c + 8] * row_bytes + b, _MM_HINT_T0);
+        if (!any) continue;
+        const char *value = values + slots[c] * row_bytes;
+        for (int64_t v = 0; v < vectors; v++) {
+            const __m512 x = load_kv(value, 16 * v, bf16);
+            for (int64_t h = 0; h < count; h++)
+                acc[h][v] = _mm512_fmadd_ps(_mm512_set1_ps(weights[h * context + c]), x, acc[h][v]);
+        }
+    }
+    for (int64_t h = 0; h < count; h++)
+        for (int64_t v = 0; v < vectors; v++) _mm512_storeu_ps(acc_mem + h * head_stride + 16 * v, acc[h][v]);
+}
+
+/* range_value_sums for one KV group's `group` query heads (weights `context` floats apart), dims in
+ * pieces of up to 128 (8 vectors of running sums per head), heads four at a time. */
+static inline __attribute__((always_inline)) void group_value_sums(const float *weights, int64_t begin, int64_t end,
+                                                                   int64_t context, const int64_t *slots,
+                                                                   const char *head_values, int64_t row_bytes,
+                                                                   int64_t group, int64_t dim, const int bf16,
+                                                                   const char *ahead, int64_t ahead_bytes, float *acc) {
+    const int64_t element = bf16 ? 2 : 4, vectors = dim / 16;
+    for (int64_t g = 0; g < group; g += 4) {
+        const int64_t count = group - g < 4 ? group - g : 4;
+        const float *w = weights + g * context;
+        if (vectors == 4 && count == 3)
+            range_value_sums(w, begin, end, context, slots, head_values, row_bytes, 3, 4, bf16, ahead, ahead_bytes, acc + g * dim, dim);
+        else if (vectors == 4)
+            range_value_sums(w, begin, end, context, slots, head_values, row_bytes, count, 4, bf16, ahead, ahead_bytes, acc + g * dim,
+                       dim);
+        else
+            for (int64_t v0 = 0; v0 < vectors; v0 += 8)
+                range_value_sums(w, begin, end, context, slots, head_values + 16 * v0 * element, row_bytes, count,
+                           vectors - v0 < 8 ? vectors - v0 : 8, bf16, ahead, ahead_bytes, acc + g * dim + 16 * v0, dim);
+        ahead_bytes = 0; /* (read ahead once) */
+    }
+}
+
+/* One KV group's `group` query heads (q, `dim` floats apart) against 16 keys from c0 (`span` of
+ * them before the context's end, `seen` those the token may see): scale · q · k per key, one product
+ * vector per key summed across lanes for all 16 at once (sum16), at scores + g · context + c0; keys a
+ * token may not see score -inf. */
+static inline __attribute__((always_inline)) void key_block_scores(const Model *model, const char *head_keys,
+                                                                   int64_t row_bytes, const float *q,
+                                                                   const int64_t *slots, int64_t c0, int64_t span,
+                                                                   __mmask16 lanes, __mmask16 seen, int64_t group,
+                                                                   int64_t context, float *scores, const int bf16) {
+    const int64_t vectors = model->head_dim / 16;
+    const char *key[16];
+    for (int64_t c = 0; c < 16; c++) key[c] = head_keys + slots[c0 + (c < span ? c : 0)] * row_bytes;
+    for (int64_t g = 0; g < group; g++) {
+        const float *qg = q + g * model->head_dim;
+        __m512 products[16];
+        for (int64_t c = 0; c < 16; c++) {
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), load_kv(key[c], 0, bf16));
+            for (int64_t v = 1; v < vectors; v++)
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), load_kv(key[c], 16 * v, bf16), acc);
+            products[c] = acc;
+        }
+        const __m512 sums = _mm512_mul_ps(sum16(products), _mm512_set1_ps(model->scale));
+        _mm512_mask_storeu_ps(scores + g * context + c0, lanes, _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), sums));
+    }
+}
+
+/* A score row's softmax numerators in place (masked keys, -inf, become exactly 0); returns
+ * 1 / their sum. */
+static inline float softmax_numerators(float *row, int64_t context) {
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t c = 0; c < context; c += 16) {
+        const __mmask16 lanes = context - c >= 16 ? 0xffff : (__mmask16)((1u << (context - c)) - 1);
+        top = _mm512_mask_max_ps(top, lanes, top, _mm512_maskz_loadu_ps(lanes, row + c));
+    }
+    const float best = _mm512_reduce_max_ps(top);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t c = 0; c < context; c += 16) {
+        const __mmask16 lanes = context - c >= 16 ? 0xffff : (__mmask16)((1u << (context - c)) - 1);
+        const __m512 x = _mm512_maskz_loadu_ps(lanes, row + c);
+        const __mmask16 seen = _mm512_mask_cmp_ps_mask(lanes, x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, _mm512_set1_ps(best))));
+        _mm512_mask_storeu_ps(row + c, lanes, e);
+        total = _mm512_add_ps(total, e);
+    }
+    return 1.0f / _mm512_reduce_add_ps(total);
+}
+
+/* Keys (or values) a token's attention reads in one stretch when a thread takes all its KV heads
+ * (attend_token): a stretch's rows are read whole and in order, so that the hardware reads ahead of
+ * them (head by head over the whole context each head's rows lie a row apart and the reads wait on
+ * memory; measurements: docs/performance.md). */
+#define KEYS_TOGETHER 64
+
+/* Token t's attention, every KV head, into out: the scores of each 16 keys for all heads
+ * (key_block_scores; `scores`: H rows of `context` floats), each head's softmax, then the value sums
+ * KEYS_TOGETHER keys at a time for all heads (`acc`: H · D floats). Each head's operations are those
+ * of attention_impl's loop by KV head. */
+static inline __attribute__((always_inline)) void attend_token(const Model *model, const Layer *layer, const Step *step,
+                                                               const uint8_t *visible_rows, const float *qkv, float *out,
+                                                               float *scores, float *acc, int64_t t, const int bf16) {
+    const int64_t element = bf16 ? 2 : 4;
+    const int64_t heads = model->heads, kv_heads = model->kv_heads, dim = model->head_dim;
+    const int64_t group = heads / kv_heads, width = (heads + 2 * kv_heads) * dim;
+    const int64_t row_bytes = kv_heads * dim * element, context = step->context_len;
+    const int64_t *slots = step->context + step->sequence[t] * context;
+    const uint8_t *visible = visible_rows + t * context;
+    for (int64_t c0 = 0; c0 < context; c0 += 16) {
+        const int64_t span = context - c0 < 16 ? context - c0 : 16;
+        const __mmask16 lanes = span == 16 ? 0xffff : (__mmask16)((1u << span) - 1);
+        const __mmask16 seen = _mm_mask_cmpneq_epi8_mask(lanes, _mm_maskz_loadu_epi8(lanes, visible + c0), _mm_setzero_si128());
+        if (seen == 0) { /* none visible (a causal prompt's later keys): no products */
+            for (int64_t h = 0; h < heads; h++) _mm512_mask_storeu_ps(scores + h * context + c0, lanes, _mm512_set1_ps(-INFINITY));
+            continue;
+        }
+        if (c0 + 16 < context) /* the next 16 keys, whole rows */
+            for (int64_t c = c0 + 16; c < c0 + 32 && c < context; c++)
+                for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(layer->keys + slots[c] * row_bytes + b, _MM_HINT_T0);
+        for (int64_t kvh = 0; kvh < kv_heads; kvh++)
+            key_block_scores(model, layer->keys + kvh * dim * element, row_bytes, qkv + t * width + kvh * group * dim, slots, c0,
+                             span, lanes, seen, group, context, scores + kvh * group * context, bf16);
+    }
+    float inverse[heads];
+    for (int64_t h = 0; h < heads; h++) inverse[h] = softmax_numerators(scores + h * context, context);
+    for (int64_t c0 = 0; c0 < context; c0 += KEYS_TOGETHER) {
+        const int64_t c1 = c0 + KEYS_TOGETHER < context ? c0 + KEYS_TOGETHER : context;
+        for (int64_t kvh = 0; kvh < kv_heads; kvh++)
+            group_value_sums(scores + kvh * group * context, c0, c1, context, slots, layer->values + kvh * dim * element, row_bytes,
+                             group, dim, bf16, layer->values, kvh == 0 ? row_bytes : 0, acc + kvh * group * dim);
+    }
+    float *o = out + t * heads * dim;
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t d = 0; d < dim; d += 16)
+            _mm512_storeu_ps(o + h * dim + d, _mm512_mul_ps(_mm512_loadu_ps(acc + h * dim + d), _mm512_set1_ps(inverse[h])));
+}
+
 /* out (T, H * D): each token's query heads over the keys it may see (`visible_rows`, (T, C)), one KV
  * head's group at a time (grouped-query attention without repeating K/V), for the `count` tokens
- * listed in `todo` (NULL: tokens 0 .. count - 1). Head sizes are multiples of 16 up to 256
- * (checked in Python); `scratch` holds a group's scores per thread (threads * group * C floats). */
+ * listed in `todo` (NULL: tokens 0 .. count - 1). With as many tokens as threads a thread takes
+ * whole tokens, all their KV heads at once (attend_token, which reads the cache's rows in order);
+ * with fewer, each (token, KV head) pair is one thread's (a one-token step's heads shared out; the
+ * same operations per head, and faster there than attend_token: measurements, docs/performance.md).
+ * Head sizes are multiples of 16 up to 256 (checked in Python); `scratch` holds threads · H · C
+ * floats. */
 static inline __attribute__((always_inline)) void attention_impl(const Model *model, const Layer *layer,
                                                                  const Step *step, const uint8_t *visible_rows,
                                                                  const float *qkv, float *out, float *scratch,
@@ -103,6 +260,17 @@ static inline __attribute__((always_inline)) void attention_impl(const Model *mo
     const int64_t heads = model->heads, kv_heads = model->kv_heads, dim = model->head_dim;
     const int64_t group = heads / kv_heads, width = (heads + 2 * kv_heads) * dim;
     const int64_t kv_width = kv_heads * dim, context = step->context_len, vectors = dim / 16;
+    if (count >= step->threads) { /* a token to a thread, its KV heads together */
+#pragma omp parallel num_threads(step->threads)
+        {
+            float *scores = scratch + (int64_t)omp_get_thread_num() * heads * context;
+            float acc[heads * dim];
+#pragma omp for schedule(static, 1) /* round robin: a causal prompt's later tokens see more keys */
+            for (int64_t i = 0; i < count; i++)
+                attend_token(model, layer, step, visible_rows, qkv, out, scores, acc, todo != NULL ? todo[i] : i, bf16);
+        }
+        return;
+    }
 #pragma omp parallel num_threads(step->threads)
     {
         float *scores = scratch + (int64_t)omp_get_thread_num() * group * context;
