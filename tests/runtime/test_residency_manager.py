@@ -1,16 +1,19 @@
 """ResidencyManager on real models: a budget that holds two of three evicts the least recently used;
 unloading gives the memory back; a broken file fails only its own registration (truncated, corrupt
 header, missing: found when its record is resolved) or its own admission (NaN block scales: found by
-the load); many threads never exceed the budget nor lose a model in use.
+the load); many threads never exceed the budget nor lose a model in use; a resident model's objects
+stay out of the garbage collector's passes, and an evicted one's are collected, cycles included.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import subprocess
 import sys
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -83,6 +86,32 @@ def test_budget_for_two_of_three_evicts_the_least_recently_used(record_property)
         if info.state == "resident":
             assert 0.9 * sizes[info.name] < info.bytes <= sizes[info.name], f"{info}: measured vs estimate"
     manager.close()
+
+
+def test_resident_models_stay_out_of_collections_and_evicted_ones_are_collected():
+    """A load freezes what is alive (a full collection with a model resident took 176 ms, every
+    thread stopped); an eviction unfreezes before it collects, so a cycle through the evicted model
+    does not keep it."""
+    fetch_or_skip(SMOL)
+    manager = ResidencyManager(8 * 2**30, device="cpu")
+    manager.register(resolve_record(SMOL, dtype="auto", kv_tokens=KV_TOKENS))
+
+    def load() -> weakref.ref:
+        with manager.acquire(SMOL) as lease:
+            module = lease.model.module
+            assert not any(o is module for o in gc.get_objects()), "the resident model is still collected"
+            module.cycle = [module]  # made after the load: only a collection with the model unfrozen frees it
+            return weakref.ref(module)
+
+    try:
+        module = load()
+        manager.evict(SMOL)
+        assert module() is None, "the evicted model was not collected"
+        module = load()  # and again: the next load freezes anew
+        manager.evict(SMOL)
+        assert module() is None
+    finally:
+        manager.close()
 
 
 RSS_SCRIPT = """
