@@ -358,7 +358,8 @@ class ResidencyManager:
         """Let go of evicted models' memory (called with the lock held)."""
         if not evictions:
             return
-        for name, size, cause in [(e.name, e.bytes, e.cause) for e in evictions]:  # (no name left holding one)
+        # (through a comprehension: no name left holding an evicted model through the collection)
+        for name, size, cause in [(e.name, e.bytes, e.cause) for e in evictions]:
             log.info("evicted %s (%d bytes, %s)", name, size, cause)
         del evictions[:]
         gc.unfreeze()  # the evicted models' objects were frozen when they loaded (_load_and_lease)
