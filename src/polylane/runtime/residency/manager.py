@@ -227,8 +227,9 @@ class ResidencyManager:
             self._pool.set_reload_cost(name, resident.load_seconds)  # the last measured load
             self._load_seconds += resident.load_seconds
             # The model's objects (and all others alive) go out of the collector's passes: with them
-            # in, a pass over the oldest generation took 176 ms (SmolLM2 resident), all threads
-            # stopped, now and then inside decode steps. _drop puts them back before it collects.
+            # in, a pass over the oldest generation took 176-195 ms (SmolLM2 resident), every thread
+            # stopped, and Python makes one whenever the objects surviving since the last reach a
+            # quarter of the old ones, whatever step is running. _drop puts them back to collect.
             gc.freeze()
             handle = self._pool.acquire(name)
             self._changed.notify_all()
