@@ -18,6 +18,7 @@ the host (its next use loads it again).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import gc
@@ -230,7 +231,7 @@ class ResidencyManager:
             # in, a pass over the oldest generation took 176-195 ms (SmolLM2 resident), every thread
             # stopped, and Python makes one whenever the objects surviving since the last reach a
             # quarter of the old ones, whatever step is running. _drop puts them back to collect.
-            gc.freeze()
+            _freeze_alive()
             handle = self._pool.acquire(name)
             self._changed.notify_all()
             return ModelLease(self, name, handle)  # type: ignore[arg-type]
@@ -365,7 +366,7 @@ class ResidencyManager:
         del evictions[:]
         gc.unfreeze()  # the evicted models' objects were frozen when they loaded (_load_and_lease)
         gc.collect()
-        gc.freeze()
+        _freeze_alive()
         _return_freed_memory()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # torch's caching allocator hands the device memory back
@@ -422,6 +423,20 @@ def _weights_in_own_mappings() -> Iterator[None]:
         yield
     finally:
         _set_mmap_threshold(RUN_MMAP_THRESHOLD)
+
+
+def _freeze_alive() -> None:
+    """Move every object alive out of the collector's passes until an eviction or the process's
+    exit puts them back (at exit, so that the interpreter's last collection frees them: extension
+    modules that check for leaks, torch's triton among them, would report every frozen object)."""
+    global _unfreeze_at_exit
+    if not _unfreeze_at_exit:
+        atexit.register(gc.unfreeze)
+        _unfreeze_at_exit = True
+    gc.freeze()
+
+
+_unfreeze_at_exit = False
 
 
 def _return_freed_memory() -> None:
