@@ -57,8 +57,8 @@ static inline __attribute__((always_inline)) __m512 load_kv(const void *row, int
     return bf16 ? load_bf16((const uint16_t *)row + offset) : _mm512_loadu_ps((const float *)row + offset);
 }
 
-/* o[h] = inverse[h] · Σ_c weights[h][c] · V[c] for `count` (<= 4) query heads of one KV group at
- * once, each value row (`vectors` (<= 8) × 16 dims at `values` + slot · `row_bytes`) read once; a
+/* o[h] = inverse[h] · Σ_c weights[h][c] · V[c] for `count` (<= 7) query heads of one KV group at
+ * once, each value row (`vectors` (<= 4) × 16 dims at `values` + slot · `row_bytes`) read once; a
  * key all the heads weigh 0 (unseen) is skipped. Each head's sum runs over c in order, as alone;
  * head h's output starts at o + h · `head_stride`. */
 static inline __attribute__((always_inline)) void value_sums(const float *weights, int64_t context,
@@ -68,7 +68,7 @@ static inline __attribute__((always_inline)) void value_sums(const float *weight
                                                              const float *inverse, float *o,
                                                              const int64_t head_stride) {
     const int64_t dim = 16 * vectors;
-    __m512 acc[4][8];
+    __m512 acc[7][4];
     for (int64_t h = 0; h < count; h++)
         for (int64_t v = 0; v < vectors; v++) acc[h][v] = _mm512_setzero_ps();
     for (int64_t c = 0; c < context; c++) {
@@ -89,8 +89,8 @@ static inline __attribute__((always_inline)) void value_sums(const float *weight
             _mm512_storeu_ps(o + h * head_stride + 16 * v, _mm512_mul_ps(acc[h][v], _mm512_set1_ps(inverse[h])));
 }
 
-/* value_sums over keys [begin, end) only: acc[h] += Σ_c weights[h][c] · V[c] for `count` (<= 4)
- * query heads of one KV group at once, each value row (`vectors` (<= 8) × 16 dims at `values` +
+/* value_sums over keys [begin, end) only: acc[h] += Σ_c weights[h][c] · V[c] for `count` (<= 7)
+ * query heads of one KV group at once, each value row (`vectors` (<= 4) × 16 dims at `values` +
  * slot · `row_bytes`) read once; a key all the heads weigh 0 (unseen) is skipped. The running sums start from zero where
  * `begin` is 0 and are kept in `acc` (head h's at acc + h · `head_stride`) between ranges: each
  * head's sum runs over c in order, whatever the ranges. Reads ahead `ahead_bytes` of the value
@@ -102,7 +102,7 @@ static inline __attribute__((always_inline)) void range_value_sums(const float *
                                                                    const int bf16, const char *ahead,
                                                                    int64_t ahead_bytes, float *acc_mem,
                                                                    const int64_t head_stride) {
-    __m512 acc[4][8];
+    __m512 acc[7][4];
     for (int64_t h = 0; h < count; h++)
         for (int64_t v = 0; v < vectors; v++)
             acc[h][v] = begin == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_mem + h * head_stride + 16 * v);
@@ -123,52 +123,102 @@ static inline __attribute__((always_inline)) void range_value_sums(const float *
         for (int64_t v = 0; v < vectors; v++) _mm512_storeu_ps(acc_mem + h * head_stride + 16 * v, acc[h][v]);
 }
 
-/* range_value_sums for one KV group's `group` query heads (weights `context` floats apart), dims in
- * pieces of up to 128 (8 vectors of running sums per head), heads four at a time. */
+/* The value sums' pieces of a KV head's `group` query heads: 64 dims (four vectors of running sums
+ * per head) at a time for up to seven heads, 28 vectors of sums in registers, each value row's piece
+ * widened once for all of them (`CALL(count, vectors, first head, first vector)`, count and vectors
+ * constants where they can be, so that the sums stay in registers). */
+#define EACH_VALUE_PIECE(group, all_vectors, CALL)                                                        \
+    for (int64_t v0_ = 0; v0_ < (all_vectors); v0_ += 4)                                                  \
+        for (int64_t g0_ = 0; g0_ < (group); g0_ += 7) {                                                  \
+            const int64_t n_ = (group) - g0_ < 7 ? (group) - g0_ : 7;                                     \
+            if ((all_vectors) - v0_ < 4) {                                                                \
+                CALL(n_, (all_vectors) - v0_, g0_, v0_);                                                  \
+                continue;                                                                                 \
+            }                                                                                             \
+            switch (n_) {                                                                                 \
+            case 1: CALL(1, 4, g0_, v0_); break;                                                          \
+            case 2: CALL(2, 4, g0_, v0_); break;                                                          \
+            case 3: CALL(3, 4, g0_, v0_); break;                                                          \
+            case 4: CALL(4, 4, g0_, v0_); break;                                                          \
+            case 5: CALL(5, 4, g0_, v0_); break;                                                          \
+            case 6: CALL(6, 4, g0_, v0_); break;                                                          \
+            default: CALL(7, 4, g0_, v0_); break;                                                         \
+            }                                                                                             \
+        }
+
+/* range_value_sums for one KV group's `group` query heads (weights `context` floats apart), in the
+ * pieces of EACH_VALUE_PIECE; reads ahead `ahead_bytes` of each value row once. */
 static inline __attribute__((always_inline)) void group_value_sums(const float *weights, int64_t begin, int64_t end,
                                                                    int64_t context, const int64_t *slots,
                                                                    const char *head_values, int64_t row_bytes,
                                                                    int64_t group, int64_t dim, const int bf16,
                                                                    const char *ahead, int64_t ahead_bytes, float *acc) {
-    const int64_t element = bf16 ? 2 : 4, vectors = dim / 16;
-    for (int64_t g = 0; g < group; g += 4) {
-        const int64_t count = group - g < 4 ? group - g : 4;
-        const float *w = weights + g * context;
-        if (vectors == 4 && count == 3)
-            range_value_sums(w, begin, end, context, slots, head_values, row_bytes, 3, 4, bf16, ahead, ahead_bytes, acc + g * dim, dim);
-        else if (vectors == 4)
-            range_value_sums(w, begin, end, context, slots, head_values, row_bytes, count, 4, bf16, ahead, ahead_bytes, acc + g * dim,
-                       dim);
-        else
-            for (int64_t v0 = 0; v0 < vectors; v0 += 8)
-                range_value_sums(w, begin, end, context, slots, head_values + 16 * v0 * element, row_bytes, count,
-                           vectors - v0 < 8 ? vectors - v0 : 8, bf16, ahead, ahead_bytes, acc + g * dim + 16 * v0, dim);
-        ahead_bytes = 0; /* (read ahead once) */
+    const int64_t element = bf16 ? 2 : 4;
+#define RANGE_PIECE(count, vectors, g, v0)                                                                               \
+    range_value_sums(weights + (g) * context, begin, end, context, slots, head_values + 16 * (v0) * element, row_bytes, \
+                     count, vectors, bf16, ahead, ahead_bytes, acc + (g) * dim + 16 * (v0), dim);                       \
+    ahead_bytes = 0 /* (read ahead once) */
+    EACH_VALUE_PIECE(group, dim / 16, RANGE_PIECE)
+#undef RANGE_PIECE
+}
+
+/* Query heads sharing a KV head from which each key is widened from bf16 once for all of them
+ * (key_block_scores): each head's product vectors then go through memory, which costs more than
+ * widening the key again for fewer heads (measurements: docs/performance.md). */
+#define WIDEN_ONCE_GROUP 4
+
+/* Products of `group` query heads (q, `dim` floats apart) with 16 keys, each key widened once: head
+ * g's vector for key c at products + 16 · (16 g + c) (`vectors` a constant where inlined). */
+static inline __attribute__((always_inline)) void widened_products(const char *const *key, const float *q, int64_t group,
+                                                                   int64_t dim, const int64_t vectors, float *products,
+                                                                   const int bf16) {
+    for (int64_t c = 0; c < 16; c++) {
+        __m512 k[16];
+        for (int64_t v = 0; v < vectors; v++) k[v] = load_kv(key[c], 16 * v, bf16);
+        for (int64_t g = 0; g < group; g++) {
+            const float *qg = q + g * dim;
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
+            for (int64_t v = 1; v < vectors; v++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), k[v], acc);
+            _mm512_store_ps(products + 16 * (16 * g + c), acc);
+        }
     }
 }
 
 /* One KV group's `group` query heads (q, `dim` floats apart) against 16 keys from c0 (`span` of
  * them before the context's end, `seen` those the token may see): scale · q · k per key, one product
- * vector per key summed across lanes for all 16 at once (sum16), at scores + g · context + c0; keys a
- * token may not see score -inf. */
+ * vector per key (a multiply, then multiply-adds over the vectors in order) summed across lanes for
+ * all 16 at once (sum16), at scores + g · context + c0; keys a token may not see score -inf. From
+ * WIDEN_ONCE_GROUP heads on, each key is widened once (widened_products, through `products`: 256 ·
+ * group floats, 64-byte aligned); the same operations either way. */
 static inline __attribute__((always_inline)) void key_block_scores(const Model *model, const char *head_keys,
                                                                    int64_t row_bytes, const float *q,
                                                                    const int64_t *slots, int64_t c0, int64_t span,
                                                                    __mmask16 lanes, __mmask16 seen, int64_t group,
-                                                                   int64_t context, float *scores, const int bf16) {
-    const int64_t vectors = model->head_dim / 16;
+                                                                   int64_t context, float *scores, float *products,
+                                                                   const int bf16) {
+    const int64_t dim = model->head_dim, vectors = dim / 16;
     const char *key[16];
     for (int64_t c = 0; c < 16; c++) key[c] = head_keys + slots[c0 + (c < span ? c : 0)] * row_bytes;
+    const int widen_once = group >= WIDEN_ONCE_GROUP;
+    if (widen_once) {
+        if (vectors == 4) widened_products(key, q, group, dim, 4, products, bf16);
+        else if (vectors == 8) widened_products(key, q, group, dim, 8, products, bf16);
+        else widened_products(key, q, group, dim, vectors, products, bf16);
+    }
     for (int64_t g = 0; g < group; g++) {
-        const float *qg = q + g * model->head_dim;
-        __m512 products[16];
+        const float *qg = q + g * dim;
+        __m512 rows[16];
         for (int64_t c = 0; c < 16; c++) {
+            if (widen_once) {
+                rows[c] = _mm512_load_ps(products + 16 * (16 * g + c));
+                continue;
+            }
             __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), load_kv(key[c], 0, bf16));
             for (int64_t v = 1; v < vectors; v++)
                 acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), load_kv(key[c], 16 * v, bf16), acc);
-            products[c] = acc;
+            rows[c] = acc;
         }
-        const __m512 sums = _mm512_mul_ps(sum16(products), _mm512_set1_ps(model->scale));
+        const __m512 sums = _mm512_mul_ps(sum16(rows), _mm512_set1_ps(model->scale));
         _mm512_mask_storeu_ps(scores + g * context + c0, lanes, _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), sums));
     }
 }
@@ -206,7 +256,8 @@ static inline float softmax_numerators(float *row, int64_t context) {
  * of attention_impl's loop by KV head. */
 static inline __attribute__((always_inline)) void attend_token(const Model *model, const Layer *layer, const Step *step,
                                                                const uint8_t *visible_rows, const float *qkv, float *out,
-                                                               float *scores, float *acc, int64_t t, const int bf16) {
+                                                               float *scores, float *acc, float *products, int64_t t,
+                                                               const int bf16) {
     const int64_t element = bf16 ? 2 : 4;
     const int64_t heads = model->heads, kv_heads = model->kv_heads, dim = model->head_dim;
     const int64_t group = heads / kv_heads, width = (heads + 2 * kv_heads) * dim;
@@ -226,7 +277,7 @@ static inline __attribute__((always_inline)) void attend_token(const Model *mode
                 for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(layer->keys + slots[c] * row_bytes + b, _MM_HINT_T0);
         for (int64_t kvh = 0; kvh < kv_heads; kvh++)
             key_block_scores(model, layer->keys + kvh * dim * element, row_bytes, qkv + t * width + kvh * group * dim, slots, c0,
-                             span, lanes, seen, group, context, scores + kvh * group * context, bf16);
+                             span, lanes, seen, group, context, scores + kvh * group * context, products, bf16);
     }
     float inverse[heads];
     for (int64_t h = 0; h < heads; h++) inverse[h] = softmax_numerators(scores + h * context, context);
@@ -265,15 +316,17 @@ static inline __attribute__((always_inline)) void attention_impl(const Model *mo
         {
             float *scores = scratch + (int64_t)omp_get_thread_num() * heads * context;
             float acc[heads * dim];
+            float products[256 * group] __attribute__((aligned(64))); /* (key_block_scores) */
 #pragma omp for schedule(static, 1) /* round robin: a causal prompt's later tokens see more keys */
             for (int64_t i = 0; i < count; i++)
-                attend_token(model, layer, step, visible_rows, qkv, out, scores, acc, todo != NULL ? todo[i] : i, bf16);
+                attend_token(model, layer, step, visible_rows, qkv, out, scores, acc, products, todo != NULL ? todo[i] : i, bf16);
         }
         return;
     }
 #pragma omp parallel num_threads(step->threads)
     {
         float *scores = scratch + (int64_t)omp_get_thread_num() * group * context;
+        float products[256 * group] __attribute__((aligned(64))); /* (key_block_scores) */
 #pragma omp for schedule(static, 1) collapse(2) /* round robin: a causal prompt's later tokens see more keys */
         for (int64_t i = 0; i < count; i++) {
             for (int64_t kvh = 0; kvh < kv_heads; kvh++) {
@@ -297,22 +350,8 @@ static inline __attribute__((always_inline)) void attention_impl(const Model *mo
                         for (int64_t c = c0 + 16; c < c0 + 32 && c < context; c++)
                             for (int64_t b = 0; b < dim * element; b += 64)
                                 _mm_prefetch(keys + (slots[c] * kv_width + kvh * dim) * element + b, _MM_HINT_T0);
-                    const char *key[16];
-                    for (int64_t c = 0; c < 16; c++)
-                        key[c] = keys + (slots[c0 + (c < span ? c : 0)] * kv_width + kvh * dim) * element;
-                    for (int64_t g = 0; g < group; g++) {
-                        const float *qg = q + g * dim;
-                        __m512 products[16];
-                        for (int64_t c = 0; c < 16; c++) {
-                            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), load_kv(key[c], 0, bf16));
-                            for (int64_t v = 1; v < vectors; v++)
-                                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), load_kv(key[c], 16 * v, bf16), acc);
-                            products[c] = acc;
-                        }
-                        const __m512 sums = _mm512_mul_ps(sum16(products), _mm512_set1_ps(model->scale));
-                        _mm512_mask_storeu_ps(scores + g * context + c0, lanes,
-                                              _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), sums));
-                    }
+                    key_block_scores(model, keys + kvh * dim * element, kv_width * element, q, slots, c0, span, lanes, seen,
+                                     group, context, scores, products, bf16);
                 }
                 float *o = out + t * heads * dim + kvh * group * dim;
                 float inverse[group];
@@ -337,20 +376,11 @@ static inline __attribute__((always_inline)) void attention_impl(const Model *mo
                     inverse[g] = 1.0f / _mm512_reduce_add_ps(total);
                 }
                 const char *head_values = values + kvh * dim * element;
-                for (int64_t g = 0; g < group; g += 4) { /* each value row read once for up to 4 heads */
-                    const int64_t count = group - g < 4 ? group - g : 4;
-                    const float *weights = scores + g * context;
-                    if (vectors == 4 && count == 3)
-                        value_sums(weights, context, slots, head_values, kv_width * element, 3, 4, bf16, inverse + g,
-                                   o + g * dim, dim);
-                    else if (vectors == 4)
-                        value_sums(weights, context, slots, head_values, kv_width * element, count, 4, bf16, inverse + g,
-                                   o + g * dim, dim);
-                    else /* 128 dims (8 vectors of accumulators per head) at a time */
-                        for (int64_t v0 = 0; v0 < vectors; v0 += 8)
-                            value_sums(weights, context, slots, head_values + 16 * v0 * element, kv_width * element, count,
-                                       vectors - v0 < 8 ? vectors - v0 : 8, bf16, inverse + g, o + g * dim + 16 * v0, dim);
-                }
+#define WHOLE_PIECE(count, n, g, v0)                                                                                   \
+    value_sums(scores + (g) * context, context, slots, head_values + 16 * (v0) * element, kv_width * element, count, n, \
+               bf16, inverse + (g), o + (g) * dim + 16 * (v0), dim)
+                EACH_VALUE_PIECE(group, vectors, WHOLE_PIECE)
+#undef WHOLE_PIECE
             }
         }
     }
