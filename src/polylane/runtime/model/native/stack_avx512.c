@@ -355,26 +355,7 @@ static inline __attribute__((always_inline)) void attention_impl(const Model *mo
                 }
                 float *o = out + t * heads * dim + kvh * group * dim;
                 float inverse[group];
-                for (int64_t g = 0; g < group; g++) {
-                    float *row = scores + g * context;
-                    __m512 top = _mm512_set1_ps(-INFINITY);
-                    for (int64_t c = 0; c < context; c += 16) {
-                        const __mmask16 lanes = context - c >= 16 ? 0xffff : (__mmask16)((1u << (context - c)) - 1);
-                        top = _mm512_mask_max_ps(top, lanes, top, _mm512_maskz_loadu_ps(lanes, row + c));
-                    }
-                    const float best = _mm512_reduce_max_ps(top);
-                    /* softmax numerators in place; masked keys (-inf) become exactly 0 */
-                    __m512 total = _mm512_setzero_ps();
-                    for (int64_t c = 0; c < context; c += 16) {
-                        const __mmask16 lanes = context - c >= 16 ? 0xffff : (__mmask16)((1u << (context - c)) - 1);
-                        const __m512 x = _mm512_maskz_loadu_ps(lanes, row + c);
-                        const __mmask16 seen = _mm512_mask_cmp_ps_mask(lanes, x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-                        const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(x, _mm512_set1_ps(best))));
-                        _mm512_mask_storeu_ps(row + c, lanes, e);
-                        total = _mm512_add_ps(total, e);
-                    }
-                    inverse[g] = 1.0f / _mm512_reduce_add_ps(total);
-                }
+                for (int64_t g = 0; g < group; g++) inverse[g] = softmax_numerators(scores + g * context, context);
                 const char *head_values = values + kvh * dim * element;
 #define WHOLE_PIECE(count, n, g, v0)                                                                                   \
     value_sums(scores + (g) * context, context, slots, head_values + 16 * (v0) * element, kv_width * element, count, n, \
