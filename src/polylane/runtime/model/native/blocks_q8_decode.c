@@ -491,68 +491,78 @@ static void decode_tile(const int64_t *types, const uint8_t *const *rows, int64_
     for (int64_t r = 0; r < count; r++) out[r] = totals[r];
 }
 
-/* Spans read ahead of the one being dotted by decode_row_rows. A span serves up to DECODE_ROWS
-   activation rows, long enough for the hardware prefetcher to fall behind, leaving the rows waiting
-   on the next span's first load. decode_row (one activation row) does not read spans ahead: it is
-   slower with it (measurements: docs/performance.md). */
-#define SPANS_AHEAD 2
-
 /* lanes[j] += x_j · w over columns [c0, c1) (whole spans, or to k) for `count` (<= DECODE_ROWS)
-   activation rows (`stride` bytes apart from x) and one weight row of `type`; inlined per format, as
-   decode_rows, and per constant count, so that the rows' running lanes stay in registers (with a
+   activation rows (`stride` bytes apart from x) and one weight row of `type`, reading ahead span by
+   span the piece of weights that starts at `ahead` (decode_tile_rows's choice); inlined per format,
+   as decode_rows, and per constant count, so that the rows' running lanes stay in registers (with a
    count known only at run time GCC kept them in memory: a store and a reload per row and span). */
-static inline __attribute__((always_inline)) void decode_row_rows(int64_t type, const uint8_t *row, int64_t c0, int64_t c1, int64_t k,
-                                                                  const CodedActivations *x, int64_t stride, int count, DECODE_LANES *lanes) {
+static inline __attribute__((always_inline)) void decode_row_rows(int64_t type, const uint8_t *row, const uint8_t *ahead, int64_t c0, int64_t c1,
+                                                                  int64_t k, const CodedActivations *x, int64_t stride, int count,
+                                                                  DECODE_LANES *lanes) {
     const int64_t span_bytes = block_row_bytes(type, SPAN);
     DECODE_LANES held[DECODE_ROWS];
     for (int j = 0; j < count; j++) held[j] = c0 == 0 ? (DECODE_LANES){0} : lanes[j]; /* (the row's first columns: from zero) */
     for (int64_t c = c0; c < c1; c += SPAN) {
-        if (c + SPANS_AHEAD * SPAN < k) {
-            const char *ahead = (const char *)row + block_row_bytes(type, c + SPANS_AHEAD * SPAN);
-            for (int64_t line = 0; line < span_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-        }
+        const char *next = (const char *)ahead + block_row_bytes(type, c - c0);
+        for (int64_t line = 0; line < span_bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
         decode_span_rows(type, row, c, k, x, stride, count, held);
     }
     for (int j = 0; j < count; j++) lanes[j] = held[j];
 }
 
 /* decode_row_rows for a row of any of the formats with decode kernels, `count` a constant. */
-static inline __attribute__((always_inline)) void decode_row_rows_of(int64_t type, const uint8_t *row, int64_t c0, int64_t c1, int64_t k,
-                                                                     const CodedActivations *x, int64_t stride, int count, DECODE_LANES *lanes) {
+static inline __attribute__((always_inline)) void decode_row_rows_of(int64_t type, const uint8_t *row, const uint8_t *ahead, int64_t c0, int64_t c1,
+                                                                     int64_t k, const CodedActivations *x, int64_t stride, int count,
+                                                                     DECODE_LANES *lanes) {
     switch (type) {
-    case GGML_Q4_K: decode_row_rows(GGML_Q4_K, row, c0, c1, k, x, stride, count, lanes); break;
-    case GGML_Q6_K: decode_row_rows(GGML_Q6_K, row, c0, c1, k, x, stride, count, lanes); break;
-    case GGML_Q4_0: decode_row_rows(GGML_Q4_0, row, c0, c1, k, x, stride, count, lanes); break;
-    case GGML_Q4_1: decode_row_rows(GGML_Q4_1, row, c0, c1, k, x, stride, count, lanes); break;
-    case GGML_Q5_0: decode_row_rows(GGML_Q5_0, row, c0, c1, k, x, stride, count, lanes); break;
-    default: decode_row_rows(GGML_Q8_0, row, c0, c1, k, x, stride, count, lanes); break;
+    case GGML_Q4_K: decode_row_rows(GGML_Q4_K, row, ahead, c0, c1, k, x, stride, count, lanes); break;
+    case GGML_Q6_K: decode_row_rows(GGML_Q6_K, row, ahead, c0, c1, k, x, stride, count, lanes); break;
+    case GGML_Q4_0: decode_row_rows(GGML_Q4_0, row, ahead, c0, c1, k, x, stride, count, lanes); break;
+    case GGML_Q4_1: decode_row_rows(GGML_Q4_1, row, ahead, c0, c1, k, x, stride, count, lanes); break;
+    case GGML_Q5_0: decode_row_rows(GGML_Q5_0, row, ahead, c0, c1, k, x, stride, count, lanes); break;
+    default: decode_row_rows(GGML_Q8_0, row, ahead, c0, c1, k, x, stride, count, lanes); break;
     }
 }
 
 /* y[j · ldy + r] = x_j · w[r] for the tile's `count` rows and `rows` (<= DECODE_ROWS) activation
    rows, `stride` bytes apart from x (a batch of decode tokens, a verify pass): each weight span
    unpacked once for all the activation rows, every (activation row, weight row) pair through
-   coded_tile_step's operations, so each row's result is what it would be alone. Long rows go
-   DECODE_CHUNK columns at a time for the tile's rows together, so that the activation rows' piece
-   stays in L1 while the four weight rows take it (eight whole activation rows would not: at
-   8,960 columns they are 70 KB; measurements: docs/performance.md). */
+   coded_tile_step's operations, so each row's result is what it would be alone.
+
+   Rows longer than WHOLE_DECODE_ROW columns go DECODE_CHUNK columns at a time for the tile's rows
+   together, so that the activation rows' piece stays in L1 while the four weight rows take it
+   (eight whole activation rows would not: at 8,960 columns they are 70 KB); shorter rows go whole.
+   Each piece of a weight row (its columns of one chunk) is dotted while the piece PIECES_AHEAD
+   later in that order is read ahead, past the tile's end into the rows that follow it (the next
+   tile of this thread's share, where the rows lie one after another as in a matrix of the file; a
+   read-ahead elsewhere costs only bandwidth). Eight activation rows take a span long enough for a
+   read-ahead of a span or two within the row to arrive late, and a tile's pieces are too short
+   for the hardware prefetcher to follow (measurements: docs/performance.md). None of this changes
+   an operation of any output. */
 #define DECODE_CHUNK 1024
+#define WHOLE_DECODE_ROW 2048
+#define PIECES_AHEAD 4
 static void decode_tile_rows(const int64_t *types, const uint8_t *const *rows, int64_t count, int64_t k,
                              const CodedActivations *x, int64_t stride, int64_t activation_rows, float *y, int64_t ldy) {
     DECODE_LANES lanes[TILE_ROWS][DECODE_ROWS]; /* (set by the first chunk: zeroing them in memory cost 2 KB of stores a tile) */
     const int n = (int)activation_rows;
-    for (int64_t c0 = 0; c0 < k; c0 += DECODE_CHUNK) {
-        const int64_t c1 = c0 + DECODE_CHUNK < k ? c0 + DECODE_CHUNK : k;
+    const int64_t chunk = k <= WHOLE_DECODE_ROW ? k : DECODE_CHUNK, pieces = (k + chunk - 1) / chunk * count;
+    const int64_t row_bytes = block_row_bytes(types[count - 1], k);
+    for (int64_t c0 = 0; c0 < k; c0 += chunk) {
+        const int64_t c1 = c0 + chunk < k ? c0 + chunk : k;
         for (int64_t r = 0; r < count; r++) {
+            const int64_t later = c0 / chunk * count + r + PIECES_AHEAD; /* (chunk later / count, row later % count) */
+            const uint8_t *ahead = later < pieces ? rows[later % count] + block_row_bytes(types[later % count], later / count * chunk)
+                                                  : rows[count - 1] + row_bytes * (1 + later - pieces); /* the next tile's rows */
             switch (n) { /* a constant count per case */
-            case 1: decode_row_rows_of(types[r], rows[r], c0, c1, k, x, stride, 1, lanes[r]); break;
-            case 2: decode_row_rows_of(types[r], rows[r], c0, c1, k, x, stride, 2, lanes[r]); break;
-            case 3: decode_row_rows_of(types[r], rows[r], c0, c1, k, x, stride, 3, lanes[r]); break;
-            case 4: decode_row_rows_of(types[r], rows[r], c0, c1, k, x, stride, 4, lanes[r]); break;
-            case 5: decode_row_rows_of(types[r], rows[r], c0, c1, k, x, stride, 5, lanes[r]); break;
-            case 6: decode_row_rows_of(types[r], rows[r], c0, c1, k, x, stride, 6, lanes[r]); break;
-            case 7: decode_row_rows_of(types[r], rows[r], c0, c1, k, x, stride, 7, lanes[r]); break;
-            default: decode_row_rows_of(types[r], rows[r], c0, c1, k, x, stride, 8, lanes[r]); break;
+            case 1: decode_row_rows_of(types[r], rows[r], ahead, c0, c1, k, x, stride, 1, lanes[r]); break;
+            case 2: decode_row_rows_of(types[r], rows[r], ahead, c0, c1, k, x, stride, 2, lanes[r]); break;
+            case 3: decode_row_rows_of(types[r], rows[r], ahead, c0, c1, k, x, stride, 3, lanes[r]); break;
+            case 4: decode_row_rows_of(types[r], rows[r], ahead, c0, c1, k, x, stride, 4, lanes[r]); break;
+            case 5: decode_row_rows_of(types[r], rows[r], ahead, c0, c1, k, x, stride, 5, lanes[r]); break;
+            case 6: decode_row_rows_of(types[r], rows[r], ahead, c0, c1, k, x, stride, 6, lanes[r]); break;
+            case 7: decode_row_rows_of(types[r], rows[r], ahead, c0, c1, k, x, stride, 7, lanes[r]); break;
+            default: decode_row_rows_of(types[r], rows[r], ahead, c0, c1, k, x, stride, 8, lanes[r]); break;
             }
         }
     }
