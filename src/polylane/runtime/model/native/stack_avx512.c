@@ -167,12 +167,25 @@ static inline __attribute__((always_inline)) void group_value_sums(const float *
  * widening the key again for fewer heads (measurements: docs/performance.md). */
 #define WIDEN_ONCE_GROUP 4
 
+/* Keys read ahead of the one being scored (key_block_scores): one key's row of a KV head at a time,
+ * between the products, so that the reads reach the memory spread out (16 keys' rows at once, in
+ * a burst every 16 keys, stalled on the CPU's outstanding misses; measurements: docs/performance.md). */
+#define KEYS_AHEAD 32
+
+/* The `bytes` of a key row at `row` read ahead into cache (NULL: none). */
+static inline __attribute__((always_inline)) void read_ahead(const char *row, int64_t bytes) {
+    if (row != NULL)
+        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+}
+
 /* Products of `group` query heads (q, `dim` floats apart) with 16 keys, each key widened once: head
- * g's vector for key c at products + 16 · (16 g + c) (`vectors` a constant where inlined). */
-static inline __attribute__((always_inline)) void widened_products(const char *const *key, const float *q, int64_t group,
-                                                                   int64_t dim, const int64_t vectors, float *products,
-                                                                   const int bf16) {
+ * g's vector for key c at products + 16 · (16 g + c) (`vectors` a constant where inlined); key c's
+ * turn reads ahead[c]'s row. */
+static inline __attribute__((always_inline)) void widened_products(const char *const *key, const char *const *ahead, const float *q,
+                                                                   int64_t group, int64_t dim, const int64_t vectors,
+                                                                   float *products, const int bf16) {
     for (int64_t c = 0; c < 16; c++) {
+        read_ahead(ahead[c], dim * (bf16 ? 2 : 4));
         __m512 k[16];
         for (int64_t v = 0; v < vectors; v++) k[v] = load_kv(key[c], 16 * v, bf16);
         for (int64_t g = 0; g < group; g++) {
@@ -189,7 +202,8 @@ static inline __attribute__((always_inline)) void widened_products(const char *c
  * vector per key (a multiply, then multiply-adds over the vectors in order) summed across lanes for
  * all 16 at once (sum16), at scores + g · context + c0; keys a token may not see score -inf. From
  * WIDEN_ONCE_GROUP heads on, each key is widened once (widened_products, through `products`: 256 ·
- * group floats, 64-byte aligned); the same operations either way. */
+ * group floats, 64-byte aligned); the same operations either way. Each key's turn reads ahead the
+ * head's part of the row KEYS_AHEAD keys on. */
 static inline __attribute__((always_inline)) void key_block_scores(const Model *model, const char *head_keys,
                                                                    int64_t row_bytes, const float *q,
                                                                    const int64_t *slots, int64_t c0, int64_t span,
@@ -197,13 +211,16 @@ static inline __attribute__((always_inline)) void key_block_scores(const Model *
                                                                    int64_t context, float *scores, float *products,
                                                                    const int bf16) {
     const int64_t dim = model->head_dim, vectors = dim / 16;
-    const char *key[16];
-    for (int64_t c = 0; c < 16; c++) key[c] = head_keys + slots[c0 + (c < span ? c : 0)] * row_bytes;
+    const char *key[16], *ahead[16];
+    for (int64_t c = 0; c < 16; c++) {
+        key[c] = head_keys + slots[c0 + (c < span ? c : 0)] * row_bytes;
+        ahead[c] = c0 + KEYS_AHEAD + c < context ? head_keys + slots[c0 + KEYS_AHEAD + c] * row_bytes : NULL;
+    }
     const int widen_once = group >= WIDEN_ONCE_GROUP;
     if (widen_once) {
-        if (vectors == 4) widened_products(key, q, group, dim, 4, products, bf16);
-        else if (vectors == 8) widened_products(key, q, group, dim, 8, products, bf16);
-        else widened_products(key, q, group, dim, vectors, products, bf16);
+        if (vectors == 4) widened_products(key, ahead, q, group, dim, 4, products, bf16);
+        else if (vectors == 8) widened_products(key, ahead, q, group, dim, 8, products, bf16);
+        else widened_products(key, ahead, q, group, dim, vectors, products, bf16);
     }
     for (int64_t g = 0; g < group; g++) {
         const float *qg = q + g * dim;
@@ -213,6 +230,7 @@ static inline __attribute__((always_inline)) void key_block_scores(const Model *
                 rows[c] = _mm512_load_ps(products + 16 * (16 * g + c));
                 continue;
             }
+            if (g == 0) read_ahead(ahead[c], dim * (bf16 ? 2 : 4));
             __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), load_kv(key[c], 0, bf16));
             for (int64_t v = 1; v < vectors; v++)
                 acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), load_kv(key[c], 16 * v, bf16), acc);
@@ -272,9 +290,6 @@ static inline __attribute__((always_inline)) void attend_token(const Model *mode
             for (int64_t h = 0; h < heads; h++) _mm512_mask_storeu_ps(scores + h * context + c0, lanes, _mm512_set1_ps(-INFINITY));
             continue;
         }
-        if (c0 + 16 < context) /* the next 16 keys, whole rows */
-            for (int64_t c = c0 + 16; c < c0 + 32 && c < context; c++)
-                for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(layer->keys + slots[c] * row_bytes + b, _MM_HINT_T0);
         for (int64_t kvh = 0; kvh < kv_heads; kvh++)
             key_block_scores(model, layer->keys + kvh * dim * element, row_bytes, qkv + t * width + kvh * group * dim, slots, c0,
                              span, lanes, seen, group, context, scores + kvh * group * context, products, bf16);
@@ -346,10 +361,6 @@ static inline __attribute__((always_inline)) void attention_impl(const Model *mo
                             _mm512_mask_storeu_ps(scores + g * context + c0, lanes, _mm512_set1_ps(-INFINITY));
                         continue;
                     }
-                    if (c0 + 16 < context) /* the next 16 keys, every line of each */
-                        for (int64_t c = c0 + 16; c < c0 + 32 && c < context; c++)
-                            for (int64_t b = 0; b < dim * element; b += 64)
-                                _mm_prefetch(keys + (slots[c] * kv_width + kvh * dim) * element + b, _MM_HINT_T0);
                     key_block_scores(model, keys + kvh * dim * element, kv_width * element, q, slots, c0, span, lanes, seen,
                                      group, context, scores, products, bf16);
                 }
