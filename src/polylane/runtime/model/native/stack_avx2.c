@@ -92,6 +92,10 @@ static inline __attribute__((always_inline)) void head_value_sum(const float *we
     for (int64_t v = 0; v < vectors; v++) _mm256_storeu_ps(o + 8 * v, _mm256_mul_ps(acc[v], _mm256_set1_ps(inverse)));
 }
 
+/* Keys read ahead of the ones being widened (attend_heads), one row at a time: as in stack_avx512.c,
+ * a burst of eight rows' reads every eight keys stalls on the CPU's outstanding misses. */
+#define KEYS_AHEAD 32
+
 /* Query heads h0 .. h0 + n - 1 (of one KV head's group) of token t over the keys it may see:
  * per 8 keys, each key widened to float32 once (into `widened`) and scored against each head (sum8),
  * then per head the softmax and the value rows; `scores` holds n rows of C floats. Each head's
@@ -116,10 +120,10 @@ static inline __attribute__((always_inline)) void attend_heads(const Model *mode
                 for (int64_t c = c0; c < c0 + span; c++) scores[g * context + c] = -INFINITY;
             continue;
         }
-        if (c0 + 8 < context)
-            for (int64_t c = c0 + 8; c < c0 + 16 && c < context; c++)
-                for (int64_t b = 0; b < dim * element; b += 64) _mm_prefetch(head_keys + slots[c] * kv_width * element + b, _MM_HINT_T0);
         for (int64_t c = 0; c < 8; c++) {
+            if (c0 + KEYS_AHEAD + c < context) /* one row at a time, between the widenings */
+                for (int64_t b = 0; b < dim * element; b += 64)
+                    _mm_prefetch(head_keys + slots[c0 + KEYS_AHEAD + c] * kv_width * element + b, _MM_HINT_T0);
             const char *key = head_keys + slots[c0 + (c < span ? c : 0)] * kv_width * element;
             for (int64_t v = 0; v < vectors; v++) _mm256_store_ps(widened + c * dim + 8 * v, load_kv8(key, 8 * v, bf16));
         }
