@@ -1,4 +1,4 @@
-"""The native stack's attention alone, over a model's heads: ns per (token, key) for one-token steps
+"""The native stack's attention alone, over a model's heads: ns per (token, key, layer) for one-token steps
 and batches, so that a change to the attention is measured without the products around it.
 
 Run:  python bench/native_attention.py [--model smollm2-135m-instruct] [--tokens 1 8]
@@ -76,7 +76,7 @@ def main() -> None:
                 results[f"{tokens}x{context}"] = json.loads(line)
     heads = f"{config.num_heads} query heads, {config.num_kv_heads} KV heads"
     print(f"{args.model}: {heads}, {config.head_dim} dims, {config.num_layers} layers")
-    print("| tokens × keys | ns per (token, key), all layers | cache read GB/s | ms per pass |")
+    print("| tokens × keys | ns per (token, key, layer) | cache read GB/s | ms per pass |")
     print("|---|---:|---:|---:|")
     for key, value in results.items():
         cells = (
