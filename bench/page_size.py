@@ -2,7 +2,7 @@
 side in one run.
 
 Run:  python bench/page_size.py [--model qwen2.5-coder-1.5b-instruct] [--context 64] [--steps 30]
-      [--rounds 3] [--drop-cache]
+      [--rounds 3] [--batch 1] [--drop-cache]
 
 The model loads at dtype auto (the file's blocks in place; its mapping asks for 2 MiB pages,
 `runtime/loading/gguf_file.py`). Its projections' weight pointers are then switched between three copies of
@@ -15,9 +15,9 @@ the same bytes:
 - "the model's mapping": the file as polylane maps it (with --drop-cache the file is dropped from
   the page cache before the load, so its first read goes through the 2 MiB mapping);
 - "anonymous 2 MiB pages": a copy in anonymous memory advised MADV_HUGEPAGE (the best case).
-Each round times --steps decode steps (batch 1, one new token after --context tokens, the native
-stack where it runs) on each, in rotating order; reported: the median step per round, the best
-round, and how much of each mapping the kernel mapped with 2 MiB pages (/proc/self/smaps
+Each round times --steps decode steps (--batch sequences, one new token each after --context
+tokens, the native stack where it runs) on each, in rotating order; reported: the median step per
+round, the best round, and how much of each mapping the kernel mapped with 2 MiB pages (/proc/self/smaps
 `FilePmdMapped`, `AnonHugePages`). The last stdout line is one JSON document.
 """
 
@@ -109,6 +109,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoded together in each step")
     parser.add_argument("--drop-cache", action="store_true", help="drop the file from the page cache first")
     args = parser.parse_args()
     path = str(resolve(args.model, quiet=True).path)
@@ -139,11 +140,13 @@ def main() -> None:
                     matrix.segments[index].data = start + offset
 
         per_sequence = -(-(args.context + 1) // BLOCK)
-        cache = PagedKVCache(module.config, per_sequence, BLOCK, model.kv_dtype)
-        table = tuple(range(per_sequence))
-        prompt = SequenceChunk(tuple(range(100, 100 + args.context)), 0, table)
-        module(build_forward_batch([prompt], BLOCK, module.config), cache)
-        batch = build_forward_batch([SequenceChunk((42,), args.context, table)], BLOCK, module.config)
+        cache = PagedKVCache(module.config, per_sequence * args.batch, BLOCK, model.kv_dtype)
+        tables = [tuple(range(per_sequence * s, per_sequence * (s + 1))) for s in range(args.batch)]
+        for s, table in enumerate(tables):
+            prompt = SequenceChunk(tuple(range(100 + s, 100 + s + args.context)), 0, table)
+            module(build_forward_batch([prompt], BLOCK, module.config), cache)
+        chunks = [SequenceChunk((42 + s,), args.context, table) for s, table in enumerate(tables)]
+        batch = build_forward_batch(chunks, BLOCK, module.config)
         systems = {
             "written copy": written_base,
             "copy read 4 KiB at a time": scattered_base,
@@ -167,13 +170,19 @@ def main() -> None:
         point_at(base)
         del written, scattered, anonymous
     print(f"{args.model} auto ({model.compute_path})")
-    print(f"batch 1 after {args.context} tokens, ms per decode step")
+    print(f"batch {args.batch} after {args.context} tokens, ms per decode step")
     print("| weights | median step per round (ms) | best round | mapped with 2 MiB pages |")
     print("|---|---|---:|---:|")
     for name in names:
         per_round = ", ".join(f"{value:.2f}" for value in rounds[name])
         print(f"| {name} | {per_round} | {min(rounds[name]):.2f} | {shares[name]:.0%} |")
-    summary = {"model": args.model, "context": args.context, "ms_per_step": rounds, "huge_share": shares}
+    summary = {
+        "model": args.model,
+        "batch": args.batch,
+        "context": args.context,
+        "ms_per_step": rounds,
+        "huge_share": shares,
+    }
     print(json.dumps(summary))
 
 
