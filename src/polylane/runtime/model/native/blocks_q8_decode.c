@@ -493,18 +493,22 @@ static void decode_tile(const int64_t *types, const uint8_t *const *rows, int64_
 
 /* lanes[j] += x_j · w over columns [c0, c1) (whole spans, or to k) for `count` (<= DECODE_ROWS)
    activation rows (`stride` bytes apart from x) and one weight row of `type`, reading ahead span by
-   span the piece of weights that starts at `ahead` (decode_tile_rows's choice); inlined per format,
-   as decode_rows, and per constant count, so that the rows' running lanes stay in registers (with a
-   count known only at run time GCC kept them in memory: a store and a reload per row and span). */
+   span the piece of weights that starts at `ahead` (decode_tile_rows's choice), the bytes of 256
+   codes at a time: on AVX2 a span is 128 codes, half a K-quant super-block, and the first half
+   reads its super-block's scales, past the half's share of the bytes (Q6_K's at bytes 192–209; read
+   ahead by shares, that line came late in every super-block: measurements, docs/performance.md);
+   inlined per format, as decode_rows, and per constant count, so that the rows' running lanes stay
+   in registers (with a count known only at run time GCC kept them in memory: a store and a reload
+   per row and span). */
 static inline __attribute__((always_inline)) void decode_row_rows(int64_t type, const uint8_t *row, const uint8_t *ahead, int64_t c0, int64_t c1,
                                                                   int64_t k, const CodedActivations *x, int64_t stride, int count,
                                                                   DECODE_LANES *lanes) {
-    const int64_t span_bytes = block_row_bytes(type, SPAN);
+    const int64_t block_bytes = block_row_bytes(type, 256); /* (c0 a multiple of 256) */
     DECODE_LANES held[DECODE_ROWS];
     for (int j = 0; j < count; j++) held[j] = c0 == 0 ? (DECODE_LANES){0} : lanes[j]; /* (the row's first columns: from zero) */
     for (int64_t c = c0; c < c1; c += SPAN) {
-        const char *next = (const char *)ahead + block_row_bytes(type, c - c0);
-        for (int64_t line = 0; line < span_bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+        const char *next = (const char *)ahead + block_row_bytes(type, (c - c0) / 256 * 256);
+        for (int64_t line = 0; line < block_bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
         decode_span_rows(type, row, c, k, x, stride, count, held);
     }
     for (int j = 0; j < count; j++) lanes[j] = held[j];
