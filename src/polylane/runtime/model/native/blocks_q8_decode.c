@@ -422,6 +422,12 @@ static int has_decode_kernel(int64_t type) { return type == GGML_Q4_K || type ==
    stream at the memory's speed without it (measurements: docs/performance.md). */
 #define K4_AHEAD 4608
 
+/* Bytes read ahead of the Q6_K super-block being dotted by one activation row on AVX2 (11 super-
+   blocks): without it the output matrix of Qwen2.5-Coder 1.5B (rows of 1,536 columns, six super-
+   blocks) streamed at ~24 GB/s of the ~31 that the VNNI kernel reaches without it (measurements:
+   docs/performance.md). */
+#define Q6_AHEAD 2304
+
 /* One row, span after span. */
 static inline __attribute__((always_inline)) float decode_row(int64_t type, const uint8_t *row, int64_t k, const CodedActivations *x) {
     DECODE_LANES lanes = (DECODE_LANES){0};
@@ -439,6 +445,14 @@ static inline __attribute__((always_inline)) float decode_row(int64_t type, cons
         for (int64_t c = 0; c < k; c += 256) {
             for (int line = 0; line < 144; line += 64) _mm_prefetch((const char *)row + c / 256 * 144 + K4_AHEAD + line, _MM_HINT_T0);
             lanes = decode_superblock_k4(row + c / 256 * 144, x, c, lanes);
+        }
+        return decode_total(lanes);
+    }
+    if (type == GGML_Q6_K) { /* a super-block in two spans */
+        for (int64_t c = 0; c < k; c += SPAN) {
+            if (c % 256 == 0)
+                for (int line = 0; line < 210; line += 64) _mm_prefetch((const char *)row + c / 256 * 210 + Q6_AHEAD + line, _MM_HINT_T0);
+            lanes = decode_span(GGML_Q6_K, row, c, k, x, lanes);
         }
         return decode_total(lanes);
     }
@@ -494,10 +508,9 @@ static void decode_tile(const int64_t *types, const uint8_t *const *rows, int64_
 /* lanes[j] += x_j · w over columns [c0, c1) (whole spans, or to k) for `count` (<= DECODE_ROWS)
    activation rows (`stride` bytes apart from x) and one weight row of `type`, reading ahead span by
    span the piece of weights that starts at `ahead` (decode_tile_rows's choice), the bytes of 256
-   codes at a time: on AVX2 a span is 128 codes, half a K-quant super-block, and the first half
-   reads its super-block's scales, past the half's share of the bytes (Q6_K's at bytes 192–209; read
-   ahead by shares, that line came late in every super-block: measurements, docs/performance.md);
-   inlined per format, as decode_rows, and per constant count, so that the rows' running lanes stay
+   codes at a time: on AVX2 a span is 128 codes, half a K-quant super-block, which has no bytes of
+   its own (block_row_bytes counts whole super-blocks: read ahead by spans, K-quant rows were not
+   read ahead at all there; measurements, docs/performance.md); inlined per format, as decode_rows, and per constant count, so that the rows' running lanes stay
    in registers (with a count known only at run time GCC kept them in memory: a store and a reload
    per row and span). */
 static inline __attribute__((always_inline)) void decode_row_rows(int64_t type, const uint8_t *row, const uint8_t *ahead, int64_t c0, int64_t c1,
