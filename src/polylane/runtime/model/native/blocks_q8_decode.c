@@ -418,8 +418,8 @@ static int has_decode_kernel(int64_t type) { return type == GGML_Q4_K || type ==
 /* Bytes read ahead of the Q4_K super-block being dotted by one activation row (32 super-blocks: the
    next rows of the tile and the next tiles, which follow in the file). Read ahead because
    decode_span_k4 (VNNI) and decode_superblock_k4 (AVX2) need so few operations per super-block
-   that the hardware prefetcher alone leaves them waiting on the weights. Q4_K only: Q6_K rows
-   stream at the memory's speed without it (measurements: docs/performance.md). */
+   that the hardware prefetcher alone leaves them waiting on the weights. On VNNI Q6_K rows stream
+   at the memory's speed without it; on AVX2 they take Q6_AHEAD (measurements: docs/performance.md). */
 #define K4_AHEAD 4608
 
 /* Bytes read ahead of the Q6_K super-block being dotted by one activation row on AVX2 (11 super-
@@ -510,9 +510,9 @@ static void decode_tile(const int64_t *types, const uint8_t *const *rows, int64_
    span the piece of weights that starts at `ahead` (decode_tile_rows's choice), the bytes of 256
    codes at a time: on AVX2 a span is 128 codes, half a K-quant super-block, which has no bytes of
    its own (block_row_bytes counts whole super-blocks: read ahead by spans, K-quant rows were not
-   read ahead at all there; measurements, docs/performance.md); inlined per format, as decode_rows, and per constant count, so that the rows' running lanes stay
-   in registers (with a count known only at run time GCC kept them in memory: a store and a reload
-   per row and span). */
+   read ahead at all there; measurements, docs/performance.md); inlined per format, as decode_rows,
+   and per constant count, so that the rows' running lanes stay in registers (with a count known
+   only at run time GCC kept them in memory: a store and a reload per row and span). */
 static inline __attribute__((always_inline)) void decode_row_rows(int64_t type, const uint8_t *row, const uint8_t *ahead, int64_t c0, int64_t c1,
                                                                   int64_t k, const CodedActivations *x, int64_t stride, int count,
                                                                   DECODE_LANES *lanes) {
