@@ -155,8 +155,11 @@ static inline __attribute__((always_inline)) void attend_heads(const Model *mode
     }
 }
 
-/* Fewer (token, KV head) pairs than this per thread: the work goes out by query head instead, so
- * that a decode step's few KV heads do not leave a thread idle (each head's arithmetic the same). */
+/* Fewer (token, KV head) pairs than this per thread, and not a multiple of the threads: the work
+ * goes out by query head instead, so that a decode step's few KV heads do not leave a thread idle
+ * (SmolLM2's three on two threads; each head's arithmetic the same). Pairs that share out evenly
+ * (Qwen's two KV heads on two threads) stay pairs: each key widened once for the group, not once
+ * per head (measurements: docs/performance.md). */
 #define KV_ITEMS_PER_THREAD 4
 
 /* out (T, H * D): each token's query heads over the keys it may see (`visible_rows`, (T, C)), for
@@ -167,8 +170,9 @@ static void attention_impl(const Model *model, const Layer *layer, const Step *s
                            const float *qkv, float *out, float *scratch, const int64_t *todo, int64_t count,
                            const int bf16) {
     const int64_t group = model->heads / model->kv_heads, context = step->context_len;
-    /* per KV head (its keys widened once for its group), or per query head for few items */
-    const int64_t per_item = count * model->kv_heads < KV_ITEMS_PER_THREAD * step->threads ? 1 : group;
+    /* per KV head (its keys widened once for its group), or per query head for few uneven items */
+    const int64_t kv_items = count * model->kv_heads;
+    const int64_t per_item = kv_items >= KV_ITEMS_PER_THREAD * step->threads || kv_items % step->threads == 0 ? group : 1;
     const int64_t items = model->heads / per_item;
 #pragma omp parallel num_threads(step->threads)
     {
