@@ -2,9 +2,9 @@
 
 Includes decoder.c, so it times the very `attention_impl` the build picks for this CPU: `layers`
 separate caches of `tokens` sequences × `context` keys (bf16, every key visible), the queries
-random, one call per layer, the best of `repeats` passes. Prints ns per (token, key) over all
-layers and the cache's read rate. usage: native_attention HEADS KV_HEADS HEAD_DIM LAYERS TOKENS
-CONTEXT REPEATS THREADS */
+random, one call per layer, the best of `repeats` passes. Prints ns per (token, key, layer) (the
+pass's time over tokens × keys × layers; its JSON key says ns_per_token_key) and the cache's read
+rate. usage: native_attention HEADS KV_HEADS HEAD_DIM LAYERS TOKENS CONTEXT REPEATS THREADS */
 #include "decoder.c"
 
 #include <stdio.h>

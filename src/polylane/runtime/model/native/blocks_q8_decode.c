@@ -434,7 +434,7 @@ static inline __attribute__((always_inline)) float decode_row(int64_t type, cons
 #if defined(Q8_VNNI)
     if (type == GGML_Q4_K) {
         for (int64_t span = 0; span < k / SPAN; span++) {
-            for (int line = 0; line < 144; line += 64) _mm_prefetch((const char *)row + 144 * span + K4_AHEAD + line, _MM_HINT_T0);
+            read_ahead(row + 144 * span + K4_AHEAD, 144);
             lanes = decode_span_k4(row + 144 * span, x, span, lanes);
         }
         return decode_total_k4(lanes);
@@ -443,15 +443,14 @@ static inline __attribute__((always_inline)) float decode_row(int64_t type, cons
 #if defined(Q8_AVX2)
     if (type == GGML_Q4_K) {
         for (int64_t c = 0; c < k; c += 256) {
-            for (int line = 0; line < 144; line += 64) _mm_prefetch((const char *)row + c / 256 * 144 + K4_AHEAD + line, _MM_HINT_T0);
+            read_ahead(row + c / 256 * 144 + K4_AHEAD, 144);
             lanes = decode_superblock_k4(row + c / 256 * 144, x, c, lanes);
         }
         return decode_total(lanes);
     }
     if (type == GGML_Q6_K) { /* a super-block in two spans */
         for (int64_t c = 0; c < k; c += SPAN) {
-            if (c % 256 == 0)
-                for (int line = 0; line < 210; line += 64) _mm_prefetch((const char *)row + c / 256 * 210 + Q6_AHEAD + line, _MM_HINT_T0);
+            if (c % 256 == 0) read_ahead(row + c / 256 * 210 + Q6_AHEAD, 210);
             lanes = decode_span(GGML_Q6_K, row, c, k, x, lanes);
         }
         return decode_total(lanes);
@@ -520,8 +519,7 @@ static inline __attribute__((always_inline)) void decode_row_rows(int64_t type, 
     DECODE_LANES held[DECODE_ROWS];
     for (int j = 0; j < count; j++) held[j] = c0 == 0 ? (DECODE_LANES){0} : lanes[j]; /* (the row's first columns: from zero) */
     for (int64_t c = c0; c < c1; c += SPAN) {
-        const char *next = (const char *)ahead + block_row_bytes(type, (c - c0) / 256 * 256);
-        for (int64_t line = 0; line < block_bytes; line += 64) _mm_prefetch(next + line, _MM_HINT_T0);
+        read_ahead(ahead + block_row_bytes(type, (c - c0) / 256 * 256), block_bytes);
         decode_span_rows(type, row, c, k, x, stride, count, held);
     }
     for (int j = 0; j < count; j++) lanes[j] = held[j];

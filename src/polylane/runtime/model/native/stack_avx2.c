@@ -122,8 +122,7 @@ static inline __attribute__((always_inline)) void attend_heads(const Model *mode
         }
         for (int64_t c = 0; c < 8; c++) {
             if (c0 + KEYS_AHEAD + c < context) /* one row at a time, between the widenings */
-                for (int64_t b = 0; b < dim * element; b += 64)
-                    _mm_prefetch(head_keys + slots[c0 + KEYS_AHEAD + c] * kv_width * element + b, _MM_HINT_T0);
+                read_ahead(head_keys + slots[c0 + KEYS_AHEAD + c] * kv_width * element, dim * element);
             const char *key = head_keys + slots[c0 + (c < span ? c : 0)] * kv_width * element;
             for (int64_t v = 0; v < vectors; v++) _mm256_store_ps(widened + c * dim + 8 * v, load_kv8(key, 8 * v, bf16));
         }

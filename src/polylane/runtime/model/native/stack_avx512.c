@@ -172,12 +172,6 @@ static inline __attribute__((always_inline)) void group_value_sums(const float *
  * a burst every 16 keys, stalled on the CPU's outstanding misses; measurements: docs/performance.md). */
 #define KEYS_AHEAD 32
 
-/* The `bytes` of a key row at `row` read ahead into cache (NULL: none). */
-static inline __attribute__((always_inline)) void read_ahead(const char *row, int64_t bytes) {
-    if (row != NULL)
-        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
-}
-
 /* Products of `group` query heads (q, `dim` floats apart) with 16 keys, each key widened once: head
  * g's vector for key c at products + 16 · (16 g + c) (`vectors` a constant where inlined); key c's
  * turn reads ahead[c]'s row. */
