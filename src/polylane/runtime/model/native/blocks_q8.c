@@ -97,15 +97,20 @@ static inline void set_block_scales(float *d, float *m, float scale, float offse
 }
 
 /* A Q4_K/Q5_K super-block's eight 6-bit (scale, min) pairs unpacked as ggml's vec_dot does (four
-   32-bit words): bytes 0–7 the sub-blocks' scales, 8–15 their mins. Built in registers: a round
-   trip through memory stalls store forwarding (twice the time of a decode step's Q4_K product). */
+   32-bit words): bytes 0–7 the sub-blocks' scales, 8–15 their mins. With the 12 packed bytes' words
+   a, b, c: a & 0x3f3f3f3f, (c & 0x0f0f0f0f) | the top two bits of a's bytes at bits 4–5, b &
+   0x3f3f3f3f, (c >> 4 & 0x0f0f0f0f) | b's top two bits likewise. Built in vector registers from one
+   load (a super-block's 144 bytes cover the 16 read): the same words from scalar loads, masks and
+   inserts took a tenth of the one-row Q4_K kernel's time, and a round trip through memory stalls
+   store forwarding (measurements: docs/performance.md). */
 static inline __m128i k4_scale_bytes(const uint8_t *block) {
-    uint32_t a, b, c;
-    memcpy(&a, block + 4, 4);
-    memcpy(&b, block + 8, 4);
-    memcpy(&c, block + 12, 4);
-    return _mm_setr_epi32((int)(a & 0x3f3f3f3f), (int)((c & 0x0f0f0f0f) | (((a >> 6) & 0x03030303) << 4)), (int)(b & 0x3f3f3f3f),
-                          (int)(((c >> 4) & 0x0f0f0f0f) | (((b >> 6) & 0x03030303) << 4)));
+    const __m128i words = _mm_loadu_si128((const __m128i *)(block + 4));    /* a, b, c and the next word */
+    const __m128i low = _mm_shuffle_epi32(words, _MM_SHUFFLE(2, 1, 2, 0));  /* a, c, b, c */
+    const __m128i high = _mm_shuffle_epi32(words, _MM_SHUFFLE(1, 1, 0, 0)); /* a, a, b, b */
+    const __m128i low_bits = _mm_and_si128(_mm_srlv_epi32(low, _mm_setr_epi32(0, 0, 0, 4)),
+                                           _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m128i top_bits = _mm_and_si128(_mm_srli_epi32(high, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    return _mm_or_si128(low_bits, top_bits);
 }
 
 /* A Q4_K/Q5_K super-block's 16 group scales and offsets: its sub-blocks' scales and mins times d

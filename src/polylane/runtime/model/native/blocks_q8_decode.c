@@ -86,6 +86,16 @@ static inline __m256 small_block_offsets(int64_t type, const uint8_t *row, int c
 
 #define DECODE_LANES __m512
 
+/* A Q4_K super-block's d and dmin (its first two halves, one load), d in lanes 0–7 and dmin in
+   lanes 8–15, dmin negated where `negate` (the coded path's offset factor −dmin · min). */
+static inline __m512 k4_factors(const uint8_t *block, const int negate) {
+    const __m128 halves = _mm_cvtph_ps(_mm_cvtsi32_si128(word_bits(block)));
+    const __m512 factors = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), _mm512_castps128_ps512(halves));
+    return negate ? _mm512_castsi512_ps(_mm512_mask_xor_epi32(_mm512_castps_si512(factors), 0xFF00, _mm512_castps_si512(factors),
+                                                              _mm512_set1_epi32(INT32_MIN)))
+                  : factors;
+}
+
 /* One span (256 codes from column c) of a row of `type`, unpacked in registers: four natural-order
    pieces of 64 codes (zero past a short row's end), and the groups' d in lane order and m in natural
    order, as coded_tile_step reads them. */
@@ -102,8 +112,7 @@ static inline __attribute__((always_inline)) void span_codes(int64_t type, const
             codes[p] = _mm512_and_si512(_mm512_srlv_epi16(packed, nibble_shift), low4);
         }
         /* 16 floats: sub-block scales in 0–7, offsets in 8–15; lane n's group is LANE_GROUPS[n] */
-        const __m512 factors = _mm512_insertf32x8(_mm512_set1_ps(half_at(block)), _mm256_set1_ps(-half_at(block + 2)), 1);
-        const __m512 scales = _mm512_mul_ps(factors, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k4_scale_bytes(block))));
+        const __m512 scales = _mm512_mul_ps(k4_factors(block, 1), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k4_scale_bytes(block))));
         scale = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 1, 3, 5, 7, 1, 3, 5, 7), scales);
         offset = _mm512_permutexvar_ps(_mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15), scales);
     } else if (type == GGML_Q6_K) {
@@ -210,8 +219,9 @@ static inline float decode_total(__m512 lanes) { return _mm512_reduce_add_ps(lan
    reduced to one sum per group by packing to 16 bits and adding pairs twice (exact: a four-code sum
    is at most 4 · 15 · 127 = 7,620, a pair of them 15,240), which leaves group K4_GROUPS[n] in lane n.
    The lanes then take the coded path's two multiply-adds with the same floats (the scales and
-   offset factors permuted alike), so each lane's chain of float operations is one of the coded
-   path's lanes; decode_total_k4 puts the lanes back in its order before the sum. The codes and
+   offset factors permuted alike; the offset term subtracted with its factor's magnitude, which
+   rounds as adding it with the negated factor), so each lane's chain of float operations is one of
+   the coded path's lanes; decode_total_k4 puts the lanes back in its order before the sum. The codes and
    their group sums take 18 vector operations per super-block here, 27 by span_codes and group_sums. */
 static inline __attribute__((always_inline)) __m512 decode_span_k4(const uint8_t *block, const CodedActivations *x, int64_t span, __m512 lanes) {
     const __m512i low4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi16(1);
@@ -223,15 +233,16 @@ static inline __attribute__((always_inline)) __m512 decode_span_k4(const uint8_t
     const __m512i s3 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(_mm512_srli_epi16(second, 4), low4), _mm512_loadu_si512(xq + 192));
     const __m512i pairs01 = _mm512_madd_epi16(_mm512_packs_epi32(s0, s1), ones), pairs23 = _mm512_madd_epi16(_mm512_packs_epi32(s2, s3), ones);
     const __m512i sums = _mm512_madd_epi16(_mm512_packs_epi32(pairs01, pairs23), ones);
-    /* 16 floats: sub-block scales in 0–7, offsets in 8–15; lane n's sub-block is K4_GROUPS[n] / 2,
-       its offset factor's lane_group(K4_GROUPS[n]) / 2 */
-    const __m512 factors = _mm512_insertf32x8(_mm512_set1_ps(half_at(block)), _mm256_set1_ps(-half_at(block + 2)), 1);
-    const __m512 scales = _mm512_mul_ps(factors, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k4_scale_bytes(block))));
+    /* 16 floats: sub-block scales in 0–7, the offsets' magnitudes (dmin · min) in 8–15; lane n's
+       sub-block is K4_GROUPS[n] / 2, its offset factor's lane_group(K4_GROUPS[n]) / 2. The offset
+       term is subtracted (fnmadd) rather than its factor negated: the same float, one operation
+       fewer. */
+    const __m512 scales = _mm512_mul_ps(k4_factors(block, 0), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k4_scale_bytes(block))));
     const __m512 scale = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 1, 4, 5, 0, 1, 4, 5, 2, 3, 6, 7, 2, 3, 6, 7), scales);
     const __m512 offset = _mm512_permutexvar_ps(_mm512_setr_epi32(8, 12, 9, 13, 10, 14, 11, 15, 8, 12, 9, 13, 10, 14, 11, 15), scales);
     const int64_t g = span * SPAN_GROUPS;
     lanes = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(scale, _mm512_loadu_ps(x->k4_scale + g)), lanes);
-    return _mm512_fmadd_ps(offset, _mm512_loadu_ps(x->k4_group_sum + g), lanes);
+    return _mm512_fnmadd_ps(offset, _mm512_loadu_ps(x->k4_group_sum + g), lanes);
 }
 
 /* decode_span_k4's lanes in the coded path's order, summed: the coded path's lane n (group
@@ -363,12 +374,14 @@ static inline __attribute__((always_inline)) __m256 decode_span(int64_t type, co
 }
 
 /* A Q4_K super-block (two spans from column c) dotted with the activation row, added to `lanes`:
-   decode_span's operations for both halves, the scales unpacked once for both. */
+   decode_span's operations for both halves, the scales unpacked once for both (d and dmin from one
+   load; the offset term subtracted with dmin · min, as decode_span_k4 does). */
 static inline __attribute__((always_inline)) __m256 decode_superblock_k4(const uint8_t *block, const CodedActivations *x, int64_t c, __m256 lanes) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     const __m128i packed = k4_scale_bytes(block);
-    const __m256 scales = _mm256_mul_ps(_mm256_set1_ps(half_at(block)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
-    const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(-half_at(block + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
+    const __m128 halves = _mm_cvtph_ps(_mm_cvtsi32_si128(word_bits(block))); /* d, dmin */
+    const __m256 scales = _mm256_mul_ps(_mm256_broadcastss_ps(halves), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
+    const __m256 mins = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(halves)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
     for (int h = 0; h < 2; h++) { /* sub-blocks 4h..4h+3: lane n's 4h + n % 4; group j's 4h + j / 2 */
         __m256i codes[4];
         for (int p = 0; p < 2; p++) {
@@ -381,7 +394,7 @@ static inline __attribute__((always_inline)) __m256 decode_superblock_k4(const u
         const __m256 offset = _mm256_permutevar8x32_ps(mins, h ? _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7) : _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
         const int64_t g = (c + 128 * h) / GROUP;
         lanes = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, _mm256_loadu_ps(x->scale + g)), lanes);
-        lanes = _mm256_fmadd_ps(offset, _mm256_loadu_ps(x->group_sum + g), lanes);
+        lanes = _mm256_fnmadd_ps(offset, _mm256_loadu_ps(x->group_sum + g), lanes);
     }
     return lanes;
 }
