@@ -101,8 +101,8 @@ static inline void set_block_scales(float *d, float *m, float scale, float offse
    a, b, c: a & 0x3f3f3f3f, (c & 0x0f0f0f0f) | the top two bits of a's bytes at bits 4–5, b &
    0x3f3f3f3f, (c >> 4 & 0x0f0f0f0f) | b's top two bits likewise. Built in vector registers from one
    load (a super-block's 144 bytes cover the 16 read): the same words from scalar loads, masks and
-   inserts took a tenth of the one-row Q4_K kernel's time, and a round trip through memory stalls
-   store forwarding (measurements: docs/performance.md). */
+   inserts made the one-row Q4_K kernel 3% slower, and a round trip through memory stalls store
+   forwarding (measurements: docs/performance.md). */
 static inline __m128i k4_scale_bytes(const uint8_t *block) {
     const __m128i words = _mm_loadu_si128((const __m128i *)(block + 4));    /* a, b, c and the next word */
     const __m128i low = _mm_shuffle_epi32(words, _MM_SHUFFLE(2, 1, 2, 0));  /* a, c, b, c */
