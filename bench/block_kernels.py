@@ -55,16 +55,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--huge", action="store_true", help="2 MiB pages for the matrix (MADV_HUGEPAGE)")
     args = parser.parse_args()
-    compiler = build._compiler()
-    if compiler is None:
-        raise SystemExit("no C compiler (cc or gcc) on PATH")
-    flags = [f for f in build.compile_flags() if f not in ("-shared", "-fPIC")]
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         program = Path(folder) / "block_kernels"
-        include = f"-I{build.SOURCE_DIR}"
-        command = [compiler, *flags, "-D_DEFAULT_SOURCE", include, "-o", str(program), str(HARNESS), "-lm"]
-        subprocess.run(command, check=True)
+        try:
+            build.build_program(HARNESS, program)
+        except RuntimeError as error:
+            raise SystemExit(str(error)) from error
         print("| format | matrix | rows | ns per (row, 256 cols), thread | GB/s | plain read GB/s | share |")
         print("|---|---|---:|---:|---:|---:|---:|")
         for fmt in args.formats:

@@ -37,26 +37,13 @@ def main() -> None:
     args = parser.parse_args()
     source = catalog.resolve(args.model)
     config = read_config(source.path, source.format)
-    compiler = build._compiler()
-    if compiler is None:
-        raise SystemExit("no C compiler (cc or gcc) on PATH")
-    flags = [f for f in build.compile_flags() if f not in ("-shared", "-fPIC")]
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         program = Path(folder) / "native_attention"
-        subprocess.run(
-            [
-                compiler,
-                *flags,
-                "-D_DEFAULT_SOURCE",
-                f"-I{build.SOURCE_DIR}",
-                "-o",
-                str(program),
-                str(HARNESS),
-                "-lm",
-            ],
-            check=True,
-        )
+        try:
+            build.build_program(HARNESS, program)
+        except RuntimeError as error:
+            raise SystemExit(str(error)) from error
         for tokens in args.tokens:
             for context in args.context:
                 shape = (config.num_heads, config.num_kv_heads, config.head_dim, config.num_layers)

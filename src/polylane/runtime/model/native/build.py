@@ -2,7 +2,8 @@
 
 What this module owns: turning a C file shipped in this package into a shared library with the
 machine's C compiler (`cc -O3 -march=native -fopenmp`), cached next to the models under a name
-that changes with the source, the compiler, the flags and the CPU, and loading it with ctypes. A
+that changes with the source, the compiler, the flags and the CPU, and loading it with ctypes; and
+compiling the bench harnesses that #include the kernels (`build_program`) with the same flags. A
 missing compiler or a failed build is not an error: `load_library` returns None (and logs why
 once) and callers keep their torch path. `POLYLANE_NATIVE=0` turns the kernels off;
 `POLYLANE_NATIVE_MARCH=haswell` (any `-march` value) builds for an older instruction set than the
@@ -99,6 +100,24 @@ def build_library(source: Path, target: Path, compiler: str, extra_flags: tuple[
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
+
+
+def build_program(source: Path, target: Path) -> None:
+    """Compile `source`, a stand-alone C program that #includes this package's kernels (the
+    harnesses under bench/), into the executable `target` with the kernels' flags; RuntimeError
+    where there is no compiler or it fails."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    flags = [flag for flag in compile_flags() if flag not in ("-shared", "-fPIC")]
+    command = [compiler, *flags, "-D_DEFAULT_SOURCE", f"-I{SOURCE_DIR}", "-o", str(target), str(source)]
+    command.append("-lm")
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+    except OSError as error:
+        raise RuntimeError(f"cannot run the C compiler {compiler}: {error}") from error
+    if result.returncode != 0:
+        raise RuntimeError(f"{compiler} failed on {source.name}:\n{result.stderr.strip()[-2000:]}")
 
 
 @functools.cache
