@@ -1,7 +1,7 @@
 """Where one engine step's time goes while B streams decode together, as `polylane bench single`
 runs them (in-process engine, one asyncio reader per stream).
 
-Run:  python bench/engine_step.py [--model smollm2-135m-instruct] [--dtype int4] [--batch 8]
+Run:  python bench/engine_step.py [--model smollm2-135m-instruct] [--dtype auto] [--batch 8]
       [--max-tokens 32] [--repeats 4]
 
 Each repeat sends --batch chat requests at once (greedy, EOS ignored) and reads their streams
@@ -37,7 +37,7 @@ from polylane.engine import Engine, EngineConfig
 from polylane.runtime import runner
 from polylane.runtime.kv import model_kv
 from polylane.runtime.sampling import detokenizer
-from polylane.types import WEIGHT_DTYPES, SamplingParams
+from polylane.types import DEFAULT_DTYPE, WEIGHT_DTYPES, SamplingParams
 
 PARTS = ["plan", "execute", "reserve", "batch", "forward", "C forward", "sample", "deliver", "detokenise"]
 
@@ -150,7 +150,7 @@ async def send_all(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="int4", choices=WEIGHT_DTYPES)
+    parser.add_argument("--dtype", default=DEFAULT_DTYPE, choices=WEIGHT_DTYPES)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=4)
