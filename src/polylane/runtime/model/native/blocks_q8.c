@@ -113,13 +113,21 @@ static inline __m128i k4_scale_bytes(const uint8_t *block) {
     return _mm_or_si128(low_bits, top_bits);
 }
 
+/* A Q4_K/Q5_K super-block's d and dmin (its first two halves) as floats in lanes 0 and 1: one 32-bit
+   load and one conversion (exact, as half_at's), for every Q4_K path. */
+static inline __m128 k4_halves(const uint8_t *block) {
+    int32_t word;
+    memcpy(&word, block, 4);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(word));
+}
+
 /* A Q4_K/Q5_K super-block's 16 group scales and offsets: its sub-blocks' scales and mins times d
    and −dmin, each for two groups. */
 static inline void k4_group_scales(const uint8_t *block, float *d, float *m) {
     const __m128i packed = k4_scale_bytes(block);
-    const __m256 scales = _mm256_mul_ps(_mm256_set1_ps(half_at(block)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
-    const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(-half_at(block + 2)),
-                                      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
+    const __m128 halves = k4_halves(block), minus_dmin = _mm_xor_ps(_mm_movehdup_ps(halves), _mm_set1_ps(-0.0f));
+    const __m256 scales = _mm256_mul_ps(_mm256_broadcastss_ps(halves), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
+    const __m256 mins = _mm256_mul_ps(_mm256_broadcastss_ps(minus_dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
     const __m256i first = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), second = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
     _mm256_storeu_ps(d, _mm256_permutevar8x32_ps(scales, first));
     _mm256_storeu_ps(d + 8, _mm256_permutevar8x32_ps(scales, second));

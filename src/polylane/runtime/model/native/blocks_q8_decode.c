@@ -89,8 +89,7 @@ static inline __m256 small_block_offsets(int64_t type, const uint8_t *row, int c
 /* A Q4_K super-block's d and dmin (its first two halves, one load), d in lanes 0–7 and dmin in
    lanes 8–15, dmin negated where `negate` (the coded path's offset factor −dmin · min). */
 static inline __m512 k4_factors(const uint8_t *block, const int negate) {
-    const __m128 halves = _mm_cvtph_ps(_mm_cvtsi32_si128(word_bits(block)));
-    const __m512 factors = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), _mm512_castps128_ps512(halves));
+    const __m512 factors = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), _mm512_castps128_ps512(k4_halves(block)));
     return negate ? _mm512_castsi512_ps(_mm512_mask_xor_epi32(_mm512_castps_si512(factors), 0xFF00, _mm512_castps_si512(factors),
                                                               _mm512_set1_epi32(INT32_MIN)))
                   : factors;
@@ -293,8 +292,9 @@ static inline __attribute__((always_inline)) void span_codes(int64_t type, const
             codes[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
         }
         const __m128i packed = k4_scale_bytes(block);
-        const __m256 scales = _mm256_mul_ps(_mm256_set1_ps(half_at(block)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
-        const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(-half_at(block + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
+        const __m128 halves = k4_halves(block), minus_dmin = _mm_xor_ps(_mm_movehdup_ps(halves), _mm_set1_ps(-0.0f));
+        const __m256 scales = _mm256_mul_ps(_mm256_broadcastss_ps(halves), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
+        const __m256 mins = _mm256_mul_ps(_mm256_broadcastss_ps(minus_dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
         /* lane n's sub-block 4h + n % 4; group j's 4h + j / 2 */
         scale = _mm256_permutevar8x32_ps(scales, _mm256_add_epi32(_mm256_set1_epi32(4 * h), _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3)));
         offset = _mm256_permutevar8x32_ps(mins, _mm256_add_epi32(_mm256_set1_epi32(4 * h), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)));
@@ -379,7 +379,7 @@ static inline __attribute__((always_inline)) __m256 decode_span(int64_t type, co
 static inline __attribute__((always_inline)) __m256 decode_superblock_k4(const uint8_t *block, const CodedActivations *x, int64_t c, __m256 lanes) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     const __m128i packed = k4_scale_bytes(block);
-    const __m128 halves = _mm_cvtph_ps(_mm_cvtsi32_si128(word_bits(block))); /* d, dmin */
+    const __m128 halves = k4_halves(block); /* d, dmin */
     const __m256 scales = _mm256_mul_ps(_mm256_broadcastss_ps(halves), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
     const __m256 mins = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(halves)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
     for (int h = 0; h < 2; h++) { /* sub-blocks 4h..4h+3: lane n's 4h + n % 4; group j's 4h + j / 2 */
