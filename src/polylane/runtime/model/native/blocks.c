@@ -176,8 +176,9 @@ static inline int64_t block_row_bytes(int64_t type, int64_t k) {
 }
 
 #if !defined(POLYLANE_PORTABLE) && defined(__AVX2__)
-/* The cache lines over `bytes` from `at` read ahead into L1 (NULL: none): the weights' and the KV
-   cache's read-aheads (blocks_q8_decode.c, stack_avx512.c, stack_avx2.c). */
+/* The cache lines over `bytes` from `at` read ahead into L1 (NULL: none): the weights' read-aheads
+   (blocks_q8_decode.c) and the AVX2 attention's (stack_avx2.c; stack_avx512.c reads the KV cache
+   ahead into L2, read_kv_ahead). */
 static inline __attribute__((always_inline)) void read_ahead(const void *at, int64_t bytes) {
     if (at == NULL) return;
     for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char *)at + line, _MM_HINT_T0);

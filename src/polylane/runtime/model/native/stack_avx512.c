@@ -57,6 +57,16 @@ static inline __attribute__((always_inline)) __m512 load_kv(const void *row, int
     return bf16 ? load_bf16((const uint16_t *)row + offset) : _mm512_loadu_ps((const float *)row + offset);
 }
 
+/* The cache lines over `bytes` from `at` read ahead into L2 (NULL: none): the KV cache's
+ * read-aheads here. Into L1 (read_ahead) the prefetches themselves stalled on the core's
+ * outstanding misses once the cache came from memory (a quarter of the attention's samples sat
+ * on them); into L2 a batch's attention over 1,024 positions took 12% less time. The AVX2 build
+ * keeps L1, where L2 was slower (measurements: docs/performance.md). */
+static inline __attribute__((always_inline)) void read_kv_ahead(const void *at, int64_t bytes) {
+    if (at == NULL) return;
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char *)at + line, _MM_HINT_T1);
+}
+
 /* o[h] = inverse[h] · Σ_c weights[h][c] · V[c] for `count` (<= 7) query heads of one KV group at
  * once, each value row (`vectors` (<= 4) × 16 dims at `values` + slot · `row_bytes`) read once; a
  * key all the heads weigh 0 (unseen) is skipped. Each head's sum runs over c in order, as alone;
@@ -76,8 +86,7 @@ static inline __attribute__((always_inline)) void value_sums(const float *weight
         for (int64_t h = 0; h < count; h++) any |= weights[h * context + c] != 0.0f;
         if (!any) continue;
         const char *value = values + slots[c] * row_bytes;
-        if (c + 8 < context)
-            for (int64_t b = 0; b < dim * (bf16 ? 2 : 4); b += 64) _mm_prefetch(values + slots[c + 8] * row_bytes + b, _MM_HINT_T0);
+        if (c + 8 < context) read_kv_ahead(values + slots[c + 8] * row_bytes, dim * (bf16 ? 2 : 4));
         for (int64_t v = 0; v < vectors; v++) {
             const __m512 x = load_kv(value, 16 * v, bf16);
             for (int64_t h = 0; h < count; h++)
@@ -109,8 +118,7 @@ static inline __attribute__((always_inline)) void range_value_sums(const float *
     for (int64_t c = begin; c < end; c++) {
         int any = 0;
         for (int64_t h = 0; h < count; h++) any |= weights[h * context + c] != 0.0f;
-        if (c + 8 < context)
-            for (int64_t b = 0; b < ahead_bytes; b += 64) _mm_prefetch(ahead + slots[c + 8] * row_bytes + b, _MM_HINT_T0);
+        if (c + 8 < context) read_kv_ahead(ahead + slots[c + 8] * row_bytes, ahead_bytes);
         if (!any) continue;
         const char *value = values + slots[c] * row_bytes;
         for (int64_t v = 0; v < vectors; v++) {
@@ -179,7 +187,7 @@ static inline __attribute__((always_inline)) void widened_products(const char *c
                                                                    int64_t group, int64_t dim, const int64_t vectors,
                                                                    float *products, const int bf16) {
     for (int64_t c = 0; c < 16; c++) {
-        read_ahead(ahead[c], dim * (bf16 ? 2 : 4));
+        read_kv_ahead(ahead[c], dim * (bf16 ? 2 : 4));
         __m512 k[16];
         for (int64_t v = 0; v < vectors; v++) k[v] = load_kv(key[c], 16 * v, bf16);
         for (int64_t g = 0; g < group; g++) {
@@ -224,7 +232,7 @@ static inline __attribute__((always_inline)) void key_block_scores(const Model *
                 rows[c] = _mm512_load_ps(products + 16 * (16 * g + c));
                 continue;
             }
-            if (g == 0) read_ahead(ahead[c], dim * (bf16 ? 2 : 4));
+            if (g == 0) read_kv_ahead(ahead[c], dim * (bf16 ? 2 : 4));
             __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), load_kv(key[c], 0, bf16));
             for (int64_t v = 1; v < vectors; v++)
                 acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), load_kv(key[c], 16 * v, bf16), acc);
