@@ -60,7 +60,7 @@ static inline __attribute__((always_inline)) __m512 load_kv(const void *row, int
 /* The cache lines over `bytes` from `at` read ahead into L2 (NULL: none): the KV cache's
  * read-aheads here. Into L1 (read_ahead) the prefetches themselves stalled on the core's
  * outstanding misses once the cache came from memory (a quarter of the attention's samples sat
- * on them); into L2 a batch's attention over 1,024 positions took 12% less time. The AVX2 build
+ * on them); into L2 a batch's attention over 1,024 positions took 12–17% less time. The AVX2 build
  * keeps L1, where L2 was slower (measurements: docs/performance.md). */
 static inline __attribute__((always_inline)) void read_kv_ahead(const void *at, int64_t bytes) {
     if (at == NULL) return;
