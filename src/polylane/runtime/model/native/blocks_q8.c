@@ -121,13 +121,23 @@ static inline __m128 k4_halves(const uint8_t *block) {
     return _mm_cvtph_ps(_mm_cvtsi32_si128(word));
 }
 
+/* A Q4_K/Q5_K super-block's eight sub-block scales times d, and its eight mins times dmin, negated
+   where `negate` (the coded path's offsets −dmin · min; the one-row AVX2 kernel subtracts dmin · min
+   instead): the floats of every Q4_K path on AVX2. */
+static inline __attribute__((always_inline)) void k4_sub_block_factors(const uint8_t *block, const int negate, __m256 *scales,
+                                                                       __m256 *mins) {
+    const __m128i packed = k4_scale_bytes(block);
+    const __m128 halves = k4_halves(block), dmin = _mm_movehdup_ps(halves);
+    *scales = _mm256_mul_ps(_mm256_broadcastss_ps(halves), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
+    *mins = _mm256_mul_ps(_mm256_broadcastss_ps(negate ? _mm_xor_ps(dmin, _mm_set1_ps(-0.0f)) : dmin),
+                          _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
+}
+
 /* A Q4_K/Q5_K super-block's 16 group scales and offsets: its sub-blocks' scales and mins times d
    and −dmin, each for two groups. */
 static inline void k4_group_scales(const uint8_t *block, float *d, float *m) {
-    const __m128i packed = k4_scale_bytes(block);
-    const __m128 halves = k4_halves(block), minus_dmin = _mm_xor_ps(_mm_movehdup_ps(halves), _mm_set1_ps(-0.0f));
-    const __m256 scales = _mm256_mul_ps(_mm256_broadcastss_ps(halves), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
-    const __m256 mins = _mm256_mul_ps(_mm256_broadcastss_ps(minus_dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
+    __m256 scales, mins;
+    k4_sub_block_factors(block, 1, &scales, &mins);
     const __m256i first = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), second = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
     _mm256_storeu_ps(d, _mm256_permutevar8x32_ps(scales, first));
     _mm256_storeu_ps(d + 8, _mm256_permutevar8x32_ps(scales, second));

@@ -291,10 +291,8 @@ static inline __attribute__((always_inline)) void span_codes(int64_t type, const
             codes[2 * p] = _mm256_and_si256(bytes, low4);
             codes[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
         }
-        const __m128i packed = k4_scale_bytes(block);
-        const __m128 halves = k4_halves(block), minus_dmin = _mm_xor_ps(_mm_movehdup_ps(halves), _mm_set1_ps(-0.0f));
-        const __m256 scales = _mm256_mul_ps(_mm256_broadcastss_ps(halves), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
-        const __m256 mins = _mm256_mul_ps(_mm256_broadcastss_ps(minus_dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
+        __m256 scales, mins;
+        k4_sub_block_factors(block, 1, &scales, &mins);
         /* lane n's sub-block 4h + n % 4; group j's 4h + j / 2 */
         scale = _mm256_permutevar8x32_ps(scales, _mm256_add_epi32(_mm256_set1_epi32(4 * h), _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3)));
         offset = _mm256_permutevar8x32_ps(mins, _mm256_add_epi32(_mm256_set1_epi32(4 * h), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)));
@@ -378,10 +376,8 @@ static inline __attribute__((always_inline)) __m256 decode_span(int64_t type, co
    load; the offset term subtracted with dmin · min, as decode_span_k4 does). */
 static inline __attribute__((always_inline)) __m256 decode_superblock_k4(const uint8_t *block, const CodedActivations *x, int64_t c, __m256 lanes) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    const __m128i packed = k4_scale_bytes(block);
-    const __m128 halves = k4_halves(block); /* d, dmin */
-    const __m256 scales = _mm256_mul_ps(_mm256_broadcastss_ps(halves), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(packed)));
-    const __m256 mins = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(halves)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(packed, 8))));
+    __m256 scales, mins; /* (mins times dmin, not −dmin: subtracted below) */
+    k4_sub_block_factors(block, 0, &scales, &mins);
     for (int h = 0; h < 2; h++) { /* sub-blocks 4h..4h+3: lane n's 4h + n % 4; group j's 4h + j / 2 */
         __m256i codes[4];
         for (int p = 0; p < 2; p++) {
